@@ -1,0 +1,110 @@
+"""`tokenwire serve` and `tokenwire models prepare`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from .config import FIELDS, ServerConfig, env_name
+
+_HELP = {
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "engine": "vllm (the real model) or scripted (deterministic, for tests and benchmarks)",
+    "model": "a local Hugging Face-format directory; default: the bundled SmolLM2-135M-Instruct",
+    "dtype": "model dtype for vLLM (float32 is fastest on CPUs without AVX512-BF16)",
+    "max_message_bytes": "largest client frame; a bigger one closes the connection with 1009",
+    "max_model_len": "context length the engine is built for",
+    "kv_cache_gib": "KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB",
+    "scripted_tokens_per_s": "token rate of the scripted engine (0: as fast as possible)",
+    "max_active_responses": "responses one connection may run at once",
+    "ping_interval_s": "WebSocket keepalive ping interval, seconds",
+    "log_content": "log message text (off by default: logs never hold user data)",
+    "log_level": "debug, info, warning or error",
+}
+_CHOICES = {"engine": ["vllm", "scripted"], "log_level": ["debug", "info", "warning", "error"]}
+
+
+def _env_default(name: str, default: Any) -> Any:
+    raw = os.environ.get(env_name(name))
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    return raw
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig()
+    for name in FIELDS:
+        default = _env_default(name, getattr(defaults, name))
+        flag = "--" + name.replace("_", "-")
+        helptext = f"{_HELP[name]} (env {env_name(name)}; default: %(default)s)"
+        if isinstance(getattr(defaults, name), bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=helptext)
+            continue
+        kind = type(getattr(defaults, name)) if getattr(defaults, name) is not None else str
+        parser.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(name),
+                            help=helptext)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenwire", description="Realtime WebSocket server for LLM token streams."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve ws://HOST:PORT/v1/realtime")
+    _add_serve_flags(serve)
+    models = sub.add_parser("models", help="manage models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    prep = msub.add_parser("prepare", help="convert the bundled SmolLM2 GGUF into a checkpoint")
+    prep.add_argument("--force", action="store_true", help="convert again even if cached")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "models":
+        from .models import ModelError, prepare_default_model
+
+        try:
+            path = prepare_default_model(force=args.force)
+        except ModelError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(path)
+        return 0
+
+    config = ServerConfig(**{name: getattr(args, name) for name in FIELDS})
+    return serve(config)
+
+
+def serve(config: ServerConfig) -> int:
+    import uvloop
+
+    from . import logs
+    from .server import TokenwireServer
+
+    logs.configure(config.log_level)
+    if config.engine == "vllm":
+        # Prepare the model here, in the foreground, so its progress is visible.
+        from .models import ModelError, resolve_model
+
+        try:
+            config.model = str(resolve_model(config.model))
+        except ModelError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    uvloop.run(TokenwireServer(config).serve_forever())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Server settings. Every CLI flag has a TOKENWIRE_* environment variable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    engine: str = "vllm"
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "float32"  # bfloat16 is slower on CPUs without AVX512-BF16
+    max_message_bytes: int = 1 << 20
+    max_model_len: int = 2048
+    kv_cache_gib: float = 1.0
+    scripted_tokens_per_s: float = 50.0
+    max_active_responses: int = 8
+    ping_interval_s: float = 20.0
+    log_content: bool = False  # log message text; off so logs never hold user data
+    log_level: str = "info"
+
+
+def env_name(field_name: str) -> str:
+    return "TOKENWIRE_" + field_name.upper()
+
+
+FIELDS = {f.name: f for f in fields(ServerConfig)}

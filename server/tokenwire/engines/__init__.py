@@ -1,0 +1,25 @@
+"""Engines behind one interface: `vllm` (real), `scripted` (deterministic)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import Engine, EngineDelta, EngineError, EngineLoad, GenerationRequest
+
+if TYPE_CHECKING:
+    from ..config import ServerConfig
+
+__all__ = ["Engine", "EngineDelta", "EngineError", "EngineLoad", "GenerationRequest", "create_engine"]
+
+
+def create_engine(config: ServerConfig) -> Engine:
+    # Imported lazily: the vllm engine pulls in torch, the scripted one nothing.
+    if config.engine == "scripted":
+        from .scripted import ScriptedEngine
+
+        return ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s)
+    if config.engine == "vllm":
+        from .vllm import VllmEngine
+
+        return VllmEngine(config)
+    raise ValueError(f"unknown engine {config.engine!r}; choose vllm or scripted")

@@ -1,0 +1,76 @@
+"""The one small interface every engine implements."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..protocol import ErrorCode
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One engine request: a chat rendered by the engine, plus sampling params."""
+
+    request_id: str
+    messages: list[dict[str, Any]]
+    max_output_tokens: int | None = None
+    temperature: float = 1.0
+    ignore_eos: bool = False
+    # Render the last (assistant) message as a prefix to continue, not a closed turn.
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    # JSON schema the output must follow (structured outputs), if any.
+    json_schema: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class EngineDelta:
+    """What one engine step produced for a request (DELTA semantics)."""
+
+    text: str
+    output_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # Set on the first delta of a request.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(Exception):
+    """A request the engine refused or failed; carries a protocol error code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Engine(Protocol):
+    name: str
+
+    async def start(self) -> None:
+        """Load the model; `generate` waits for this to finish."""
+
+    async def close(self) -> None: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def max_context_tokens(self) -> int | None: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
+        """Stream deltas. Cancelling the consuming task aborts the request."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Requests the engine holds right now (running and waiting)."""
+        ...

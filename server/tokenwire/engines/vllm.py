@@ -1,0 +1,182 @@
+"""The real engine: vLLM's `AsyncLLM`, in process, with DELTA outputs.
+
+Prompts are rendered by the tokenizer's chat template and submitted as token
+ids, so the context check happens before any engine work. Prefix caching is
+on, which makes resubmitting a conversation (steer, resume) cheap.
+Cancelling the task that iterates `generate` aborts the vLLM request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ..logs import get_logger
+from ..protocol import ErrorCode
+from .base import EngineDelta, EngineError, EngineLoad, GenerationRequest
+
+if TYPE_CHECKING:
+    from ..config import ServerConfig
+
+log = get_logger("tokenwire.engines.vllm")
+
+
+def _load_tracker_class() -> type:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class LoadTracker(StatLoggerBase):
+        """Keeps the scheduler's latest running/waiting counts."""
+
+        latest: dict[str, int] = {"running": 0, "waiting": 0}
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any,
+                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                LoadTracker.latest = {
+                    "running": scheduler_stats.num_running_reqs,
+                    "waiting": scheduler_stats.num_waiting_reqs
+                    + scheduler_stats.num_skipped_waiting_reqs,
+                }
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LoadTracker
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.model_path: str | None = None
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._tracker: Any = None
+        self._max_len: int | None = None
+        self._ready = asyncio.Event()
+        self._failure: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._failure is None
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        return self._max_len
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except Exception as exc:  # reported through /readyz and every request
+            self._failure = f"{type(exc).__name__}: {exc}"
+            log.error("engine_start_failed", error=self._failure)
+            raise
+        finally:
+            self._ready.set()
+
+    async def _start(self) -> None:
+        from ..models import resolve_model
+
+        # Conversion of the bundled model (first run only) is CPU-bound.
+        path = await asyncio.to_thread(resolve_model, self.config.model)
+        self.model_path = str(path)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            dtype=self.config.dtype,
+            max_model_len=self.config.max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=True,
+            disable_log_stats=False,
+        )
+        self._tracker = _load_tracker_class()
+        log.info("engine_starting", model=self.model_path, dtype=self.config.dtype)
+        # Building the engine blocks for ~25 s; keep the event loop serving.
+        self._llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, args, stat_loggers=[self._tracker]
+        )
+        self._tokenizer = self._llm.get_tokenizer()
+        self._max_len = self._llm.model_config.max_model_len
+        log.info("engine_ready", model=self.model_path, max_model_len=self._max_len)
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def load(self) -> EngineLoad:
+        if self._llm is None or self._tracker is None:
+            return EngineLoad()
+        latest = self._tracker.latest
+        return EngineLoad(
+            running=latest["running"],
+            waiting=latest["waiting"],
+            extra={"unfinished": self._llm.output_processor.get_num_unfinished_requests()},
+        )
+
+    def render(self, request: GenerationRequest) -> list[int]:
+        """Token ids of the chat, through the tokenizer's chat template."""
+        text = self._tokenizer.apply_chat_template(
+            request.messages,
+            tools=request.tools,
+            tokenize=False,
+            add_generation_prompt=not request.continue_final_message,
+            continue_final_message=request.continue_final_message,
+        )
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
+        await self._ready.wait()
+        if self._failure is not None or self._llm is None:
+            raise EngineError(
+                ErrorCode.ENGINE_UNAVAILABLE, f"the engine failed to start: {self._failure}"
+            )
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+        ids = self.render(request)
+        room = (self._max_len or 0) - len(ids)
+        if room < 1:
+            raise EngineError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt has {len(ids)} tokens; the model's context is {self._max_len} "
+                "tokens. Shorten the conversation or its instructions.",
+            )
+        max_tokens = room if request.max_output_tokens is None else min(
+            request.max_output_tokens, room
+        )
+        params = SamplingParams(
+            temperature=request.temperature,
+            max_tokens=max_tokens,
+            ignore_eos=request.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            structured_outputs=(
+                StructuredOutputsParams(json=request.json_schema) if request.json_schema else None
+            ),
+        )
+        first = True
+        async for out in self._llm.generate(
+            {"prompt_token_ids": ids}, params, request.request_id
+        ):
+            completion = out.outputs[0]
+            yield EngineDelta(
+                text=completion.text,
+                output_tokens=len(completion.token_ids),
+                finish_reason=completion.finish_reason if out.finished else None,
+                prompt_tokens=len(ids) if first else None,
+                cached_tokens=(out.num_cached_tokens or 0) if first else None,
+            )
+            first = False

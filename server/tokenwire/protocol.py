@@ -1,0 +1,301 @@
+"""Protocol v1: event validation, error codes and the JSON/msgpack codec.
+
+No I/O here. The transport hands frames in; `decode_frame` and
+`parse_client_event` turn them into typed client events or raise
+`ProtocolError` with a stable code.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+import msgpack
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
+
+SUBPROTOCOL_JSON = "tokenwire.v1.json"
+SUBPROTOCOL_MSGPACK = "tokenwire.v1.msgpack"
+SUBPROTOCOLS = (SUBPROTOCOL_MSGPACK, SUBPROTOCOL_JSON)
+
+# Close code sent when a client never drains its stream (see docs/protocol.md).
+CLOSE_SLOW_CLIENT = 4008
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes; clients may switch on these."""
+
+    MALFORMED_FRAME = "malformed_frame"
+    INVALID_EVENT = "invalid_event"
+    UNKNOWN_EVENT_TYPE = "unknown_event_type"
+    MISSING_FIELD = "missing_field"
+    INVALID_FIELD = "invalid_field"
+    UNKNOWN_FIELD = "unknown_field"
+    UNKNOWN_RESPONSE = "unknown_response"
+    RESPONSE_NOT_ACTIVE = "response_not_active"
+    CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE = "conversation_already_has_active_response"
+    TOO_MANY_RESPONSES = "too_many_responses"
+    UNKNOWN_ITEM = "unknown_item"
+    DUPLICATE_ITEM_ID = "duplicate_item_id"
+    UNKNOWN_CALL_ID = "unknown_call_id"
+    INVALID_STATE = "invalid_state"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    ENGINE_ERROR = "engine_error"
+    SERVER_ERROR = "server_error"
+
+
+# Errors caused by the client's input; everything else is the server's fault.
+_SERVER_SIDE = {ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.ENGINE_ERROR, ErrorCode.SERVER_ERROR}
+
+
+class ProtocolError(Exception):
+    """A client mistake, reported as an `error` event; the connection stays open."""
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        event_id: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.event_id = event_id
+        self.param = param
+
+    def to_event(self) -> dict[str, Any]:
+        return error_event(self.code, self.message, event_id=self.event_id, param=self.param)
+
+
+def error_event(
+    code: ErrorCode,
+    message: str,
+    *,
+    event_id: str | None = None,
+    param: str | None = None,
+) -> dict[str, Any]:
+    error: dict[str, Any] = {
+        "type": "server_error" if code in _SERVER_SIDE else "invalid_request_error",
+        "code": str(code),
+        "message": message,
+    }
+    if event_id is not None:
+        error["event_id"] = event_id
+    if param is not None:
+        error["param"] = param
+    return {"type": "error", "error": error}
+
+
+# ---------------------------------------------------------------------------
+# Codec
+
+
+def decode_frame(data: str | bytes) -> Any:
+    """Text frames are JSON and binary frames msgpack, whatever was negotiated."""
+    try:
+        if isinstance(data, str):
+            return json.loads(data)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, RecursionError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError) as exc:
+        kind = "JSON" if isinstance(data, str) else "msgpack"
+        raise ProtocolError(
+            ErrorCode.MALFORMED_FRAME, f"the frame is not valid {kind}: {exc}"
+        ) from None
+
+
+class Codec:
+    """Encodes server events for one negotiated subprotocol."""
+
+    def __init__(self, subprotocol: str | None) -> None:
+        self.subprotocol = subprotocol or SUBPROTOCOL_JSON
+        self.binary = self.subprotocol == SUBPROTOCOL_MSGPACK
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    def encode(self, event: dict[str, Any]) -> str | bytes:
+        if self.binary:
+            return self._packer.pack(event)
+        return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------
+# Client events
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+ItemId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+MaxTokens = Annotated[int, Field(ge=1)]
+
+
+class MessageItem(BaseModel):
+    model_config = _STRICT
+    type: Literal["message"]
+    role: Literal["user", "system", "assistant"]
+    content: str
+    id: ItemId | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = _STRICT
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    output: str
+    id: ItemId | None = None
+
+
+Item = Annotated[MessageItem | FunctionCallOutputItem, Field(discriminator="type")]
+
+
+class FunctionTool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"] = "function"
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, JsonValue] = Field(default_factory=lambda: {"type": "object"})
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"] = "function"
+    name: str
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+
+
+class SessionConfig(BaseModel):
+    """Fields of `session.update`; all optional, None means 'leave as is'."""
+
+    model_config = _STRICT
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    temperature: Temperature | None = None
+    max_output_tokens: MaxTokens | None = None
+
+
+class ResponseParams(BaseModel):
+    model_config = _STRICT
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    temperature: Temperature | None = None
+    max_output_tokens: MaxTokens | None = None
+    conversation: Literal["auto", "none"] = "auto"
+    # Items used instead of the conversation when conversation is "none".
+    input: list[Item] | None = None
+    metadata: dict[str, str] | None = None
+    # Generate exactly max_output_tokens; for benchmarks.
+    ignore_eos: bool = False
+
+
+class _ClientEvent(BaseModel):
+    model_config = _STRICT
+    event_id: Annotated[str, StringConstraints(max_length=128)] | None = None
+
+
+class SessionUpdate(_ClientEvent):
+    type: Literal["session.update"]
+    session: SessionConfig
+
+
+class ConversationItemCreate(_ClientEvent):
+    type: Literal["conversation.item.create"]
+    item: Item
+    previous_item_id: str | None = None
+
+
+class ConversationItemTruncate(_ClientEvent):
+    type: Literal["conversation.item.truncate"]
+    item_id: str
+    text_end: Annotated[int, Field(ge=0)]
+
+
+class ResponseCreate(_ClientEvent):
+    type: Literal["response.create"]
+    response: ResponseParams = Field(default_factory=ResponseParams)
+
+
+class ResponseCancel(_ClientEvent):
+    type: Literal["response.cancel"]
+    response_id: str | None = None
+
+
+class ResponseSteer(_ClientEvent):
+    type: Literal["response.steer"]
+    response_id: str | None = None
+    input: Annotated[str, StringConstraints(min_length=1)]
+
+
+class SessionResume(_ClientEvent):
+    type: Literal["session.resume"]
+    session_id: str
+    last_seq: Annotated[int, Field(ge=0)]
+
+
+ClientEvent = (
+    SessionUpdate
+    | ConversationItemCreate
+    | ConversationItemTruncate
+    | ResponseCreate
+    | ResponseCancel
+    | ResponseSteer
+    | SessionResume
+)
+
+_EVENT_TYPES: dict[str, TypeAdapter[Any]] = {
+    cls.model_fields["type"].annotation.__args__[0]: TypeAdapter(cls)  # type: ignore[union-attr]
+    for cls in ClientEvent.__args__  # type: ignore[attr-defined]
+}
+CLIENT_EVENT_TYPES = frozenset(_EVENT_TYPES)
+
+_PYDANTIC_CODES = {
+    "missing": ErrorCode.MISSING_FIELD,
+    "extra_forbidden": ErrorCode.UNKNOWN_FIELD,
+}
+
+
+def parse_client_event(obj: Any) -> ClientEvent:
+    """Validate one decoded frame; raise ProtocolError with a stable code."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(
+            ErrorCode.INVALID_EVENT, f"an event must be a map, got {type(obj).__name__}"
+        )
+    raw_id = obj.get("event_id")
+    event_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= 128 else None
+    kind = obj.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError(
+            ErrorCode.INVALID_EVENT, "an event needs a string 'type'", event_id=event_id,
+            param="type",
+        )
+    adapter = _EVENT_TYPES.get(kind)
+    if adapter is None:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_EVENT_TYPE,
+            f"unknown event type {kind[:64]!r}; expected one of {sorted(CLIENT_EVENT_TYPES)}",
+            event_id=event_id,
+            param="type",
+        )
+    try:
+        return adapter.validate_python(obj)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        # Drop discriminator tags pydantic puts into the location.
+        loc = [str(p) for p in first["loc"] if p not in ("message", "function_call_output")]
+        param = ".".join(loc)
+        code = _PYDANTIC_CODES.get(first["type"], ErrorCode.INVALID_FIELD)
+        raise ProtocolError(
+            code, f"{param or 'event'}: {first['msg']}", event_id=event_id, param=param
+        ) from None

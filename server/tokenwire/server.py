@@ -1,0 +1,144 @@
+"""The WebSocket server: routing, subprotocol choice, lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from .config import ServerConfig
+from .engines import Engine, create_engine
+from .logs import get_logger
+from .protocol import SUBPROTOCOLS
+from .transport import Connection
+
+log = get_logger("tokenwire.server")
+
+REALTIME_PATH = "/v1/realtime"
+
+
+def json_response(status: HTTPStatus, body: dict[str, Any]) -> Response:
+    data = json.dumps(body).encode()
+    headers = Headers(
+        [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+         ("Cache-Control", "no-store")]
+    )
+    return Response(status.value, status.phrase, headers, data)
+
+
+class TokenwireServer:
+    def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
+        self.config = config
+        self.engine = engine or create_engine(config)
+        self.connections: set[Connection] = set()
+        self._server: Server | None = None
+        self._engine_task: asyncio.Task[None] | None = None
+
+    # -- HTTP -------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        load = self.engine.load()
+        return {
+            "status": "ok",
+            "engine": self.engine.name,
+            "ready": self.engine.ready,
+            "connections": len(self.connections),
+            "engine_load": {"running": load.running, "waiting": load.waiting, **load.extra},
+        }
+
+    def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == REALTIME_PATH:
+            return None  # go on with the WebSocket upgrade
+        if path == "/healthz":
+            return json_response(HTTPStatus.OK, self.health())
+        if path == "/readyz":
+            ready = self.engine.ready
+            body = {"ready": ready, "engine": self.engine.name}
+            failure = getattr(self.engine, "failure", None)
+            if failure:
+                body["error"] = failure
+            return json_response(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE, body)
+        return json_response(
+            HTTPStatus.NOT_FOUND,
+            {"error": f"no route {path!r}; the WebSocket endpoint is {REALTIME_PATH}"},
+        )
+
+    @staticmethod
+    def _select_subprotocol(conn: ServerConnection, offered: Sequence[str]) -> str | None:
+        # The client's order wins; with none of ours offered we speak JSON.
+        for name in offered:
+            if name in SUBPROTOCOLS:
+                return name
+        return None
+
+    # -- WebSocket ----------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        conn = Connection(ws, self.engine, self.config)
+        self.connections.add(conn)
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+
+    # -- lifecycle ----------------------------------------------------------
+
+    async def start(self) -> None:
+        self._engine_task = asyncio.create_task(self.engine.start())
+        self._engine_task.add_done_callback(_ignore_result)
+        self._server = await serve(
+            self._handle,
+            self.config.host,
+            self.config.port,
+            process_request=self._process_request,
+            select_subprotocol=self._select_subprotocol,
+            max_size=self.config.max_message_bytes,
+            compression=None,  # per-message deflate costs CPU per token and memory per socket
+            ping_interval=self.config.ping_interval_s,
+            ping_timeout=self.config.ping_interval_s,
+        )
+        log.info("listening", url=f"ws://{self.config.host}:{self.port}{REALTIME_PATH}",
+                 engine=self.engine.name)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    async def wait_engine(self) -> None:
+        if self._engine_task is not None:
+            await asyncio.shield(self._engine_task)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        if self._engine_task is not None and not self._engine_task.done():
+            self._engine_task.cancel()
+        await self.engine.close()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting_down")
+        await self.close()
+
+
+def _ignore_result(task: asyncio.Task[None]) -> None:
+    # The failure is logged and reported by the engine; don't warn twice.
+    if not task.cancelled():
+        task.exception()
