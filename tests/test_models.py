@@ -120,17 +120,12 @@ def test_resolve_default_uses_env_cache_dir(
     monkeypatch.setenv(models.CACHE_ENV, str(prepared.cache_dir))
     messages: list[str] = []
     assert models.resolve_model(None, progress=messages.append) == prepared.path
-    assert (
-        models.resolve_model(models.DEFAULT_MODEL, progress=messages.append)
-        == prepared.path
-    )
+    assert models.resolve_model(models.DEFAULT_MODEL, progress=messages.append) == prepared.path
     assert messages == []  # fast path: nothing converted
 
 
 @needs_gguf
-def test_concurrent_prepare_waits_for_the_lock_holder(
-    prepared: Prepared, tmp_path: Path
-) -> None:
+def test_concurrent_prepare_waits_for_the_lock_holder(prepared: Prepared, tmp_path: Path) -> None:
     # Hold the lock as if another process were mid-conversion, let a second
     # caller block on it, then "finish" by installing a ready copy: the waiter
     # must return that copy instead of converting again.
@@ -173,9 +168,7 @@ def test_converted_model_answers_paris(prepared: Prepared) -> None:
     )
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-    answer = tokenizer.decode(
-        output[0][inputs["input_ids"].shape[1] :], skip_special_tokens=True
-    )
+    answer = tokenizer.decode(output[0][inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
@@ -184,9 +177,7 @@ def test_half_written_dir_is_not_prepared(tmp_path: Path) -> None:
     assert not models.is_prepared(tmp_path)
     (tmp_path / models.MARKER_NAME).write_text('{"format": ')  # torn marker write
     assert not models.is_prepared(tmp_path)
-    (tmp_path / models.MARKER_NAME).write_text(
-        json.dumps({"format": models.MARKER_FORMAT})
-    )
+    (tmp_path / models.MARKER_NAME).write_text(json.dumps({"format": models.MARKER_FORMAT}))
     assert models.is_prepared(tmp_path)
 
 
@@ -204,17 +195,13 @@ def test_resolve_missing_path_explains_what_to_do(tmp_path: Path) -> None:
 
 
 def test_resolve_directory_without_config(tmp_path: Path) -> None:
-    with pytest.raises(models.ModelError, match="config.json"):
+    with pytest.raises(models.ModelError, match=r"config\.json"):
         models.resolve_model(str(tmp_path))
 
 
-def test_default_model_dir_layout(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_default_model_dir_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "env"))
-    assert (
-        models.default_model_dir() == tmp_path / "env" / "models" / models.DEFAULT_MODEL
-    )
+    assert models.default_model_dir() == tmp_path / "env" / "models" / models.DEFAULT_MODEL
     # An explicit cache_dir beats the environment.
     assert (
         models.default_model_dir(tmp_path / "arg")
@@ -230,8 +217,6 @@ def test_import_is_cheap() -> None:
     )
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(SERVER_DIR), os.environ.get("PYTHONPATH", "")]
-        ),
+        "PYTHONPATH": os.pathsep.join([str(SERVER_DIR), os.environ.get("PYTHONPATH", "")]),
     }
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

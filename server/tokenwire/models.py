@@ -172,7 +172,14 @@ def prepare_default_model(
         started = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            versions = _convert(gguf, tmp, report)
+            try:
+                versions = _convert(gguf, tmp, report)
+            except Exception as exc:
+                # Callers handle ModelError; keep the cause chained for debugging.
+                raise ModelError(
+                    f"converting {gguf} failed ({type(exc).__name__}: {exc}); "
+                    "the gguf, accelerate and transformers packages are required"
+                ) from exc
             report("verifying")
             _verify(tmp)
             _publish_permissions(tmp)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import protocol as p
-from .engines.base import EngineDelta, GenerationRequest
+from .engines.base import EngineDelta, EngineError, GenerationRequest
 from .protocol import ErrorCode, ProtocolError
 
 ACTIVE = ("in_progress", "requires_action")
@@ -95,10 +95,13 @@ class Session:
         limits: SessionLimits | None = None,
         info: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        check_request: Callable[[GenerationRequest], None] | None = None,
     ) -> None:
         self.id = session_id or new_id("sess")
         self.limits = limits or SessionLimits()
         self.clock = clock
+        # The engine's pre-flight check (context length); raises EngineError.
+        self._check_request = check_request
         self.config: dict[str, Any] = {
             "instructions": None,
             "tools": [],
@@ -249,9 +252,15 @@ class Session:
             context=context,
             created_at=self.clock(),
         )
+        request = self._next_request(resp)
+        if self._check_request is not None:
+            try:
+                self._check_request(request)
+            except EngineError as exc:
+                raise ProtocolError(exc.code, exc.message, event_id=ev.event_id) from None
         self.responses[resp.id] = resp
         self._emit({"type": "response.created", "response": self._describe(resp)}, ev.event_id)
-        self._start_generation(resp)
+        self._start_generation(resp, request)
 
     def _on_response_cancel(self, ev: p.ResponseCancel) -> None:
         resp = self._find_active(ev.response_id, ev.event_id, "cancel")
@@ -423,30 +432,29 @@ class Session:
         else:
             resp.context.append(item)
 
-    def _start_generation(self, resp: Response) -> None:
+    def _next_request(self, resp: Response) -> GenerationRequest:
+        """The engine request for the response's next generation; changes nothing."""
+        params = resp.params
+        return GenerationRequest(
+            request_id=f"{resp.id}-{resp.generation + 1}",
+            messages=self._render(resp),
+            max_output_tokens=self._remaining_tokens(resp),
+            temperature=params["temperature"],
+            ignore_eos=params["ignore_eos"],
+        )
+
+    def _start_generation(self, resp: Response, request: GenerationRequest | None = None) -> None:
+        request = request or self._next_request(resp)
         item = self._make_item(
             {"type": "message", "role": "assistant", "content": "", "status": "in_progress"}
         )
-        messages = self._render(resp)
         self._append_context(resp, item)
         resp.current_item = item
         resp.output.append(item)
         resp.generation += 1
-        resp.request_id = f"{resp.id}-{resp.generation}"
+        resp.request_id = request.request_id
         self._requests[resp.request_id] = resp.id
-        params = resp.params
-        self._actions.append(
-            StartGeneration(
-                resp.id,
-                GenerationRequest(
-                    request_id=resp.request_id,
-                    messages=messages,
-                    max_output_tokens=self._remaining_tokens(resp),
-                    temperature=params["temperature"],
-                    ignore_eos=params["ignore_eos"],
-                ),
-            )
-        )
+        self._actions.append(StartGeneration(resp.id, request))
 
     def _remaining_tokens(self, resp: Response) -> int | None:
         limit = resp.params["max_output_tokens"]

@@ -41,6 +41,7 @@ class Connection:
                 "subprotocol": self.codec.subprotocol,
                 "max_message_bytes": config.max_message_bytes,
             },
+            check_request=engine.check,
         )
         self.outbox = Outbox()
         self.tasks: dict[str, asyncio.Task[None]] = {}

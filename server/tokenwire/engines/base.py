@@ -67,6 +67,10 @@ class Engine(Protocol):
     @property
     def max_context_tokens(self) -> int | None: ...
 
+    def check(self, request: GenerationRequest) -> None:
+        """Pre-flight, synchronous: raise EngineError (context_length_exceeded)
+        before any engine work. May do nothing if the engine is not ready."""
+
     def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
         """Stream deltas. Cancelling the consuming task aborts the request."""
         ...

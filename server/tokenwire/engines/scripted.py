@@ -59,7 +59,10 @@ class ScriptedEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(running=self._running)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
+    def check(self, request: GenerationRequest) -> None:
+        self._prompt_tokens(request)
+
+    def _prompt_tokens(self, request: GenerationRequest) -> int:
         prompt_tokens = sum(count_tokens(m.get("content") or "") + 3 for m in request.messages)
         if prompt_tokens >= self._max_context_tokens:
             raise EngineError(
@@ -67,6 +70,10 @@ class ScriptedEngine:
                 f"the prompt has {prompt_tokens} tokens; the model's context is "
                 f"{self._max_context_tokens}",
             )
+        return prompt_tokens
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
+        prompt_tokens = self._prompt_tokens(request)
         tokens = reply_tokens(request)
         if request.continue_final_message and not request.ignore_eos:
             # Resume where the partial assistant text left off.

@@ -61,6 +61,9 @@ class VllmEngine:
         self._max_len: int | None = None
         self._ready = asyncio.Event()
         self._failure: str | None = None
+        # Token ids rendered by check(), taken by generate(); bounded by the
+        # transport, which starts every checked request at once.
+        self._rendered: dict[str, list[int]] = {}
 
     @property
     def ready(self) -> bool:
@@ -139,7 +142,25 @@ class VllmEngine:
         )
         return self._tokenizer.encode(text, add_special_tokens=False)
 
+    def check(self, request: GenerationRequest) -> None:
+        if self._tokenizer is None:
+            return  # not loaded yet; generate() checks once it is
+        ids = self._checked_ids(request)
+        if len(self._rendered) < 1024:
+            self._rendered[request.request_id] = ids
+
+    def _checked_ids(self, request: GenerationRequest) -> list[int]:
+        ids = self.render(request)
+        if len(ids) >= (self._max_len or 0):
+            raise EngineError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt has {len(ids)} tokens; the model's context is {self._max_len} "
+                "tokens. Shorten the conversation or its instructions.",
+            )
+        return ids
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
+        ids = self._rendered.pop(request.request_id, None)
         await self._ready.wait()
         if self._failure is not None or self._llm is None:
             raise EngineError(
@@ -147,14 +168,9 @@ class VllmEngine:
             )
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-        ids = self.render(request)
+        if ids is None:
+            ids = self._checked_ids(request)
         room = (self._max_len or 0) - len(ids)
-        if room < 1:
-            raise EngineError(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"the prompt has {len(ids)} tokens; the model's context is {self._max_len} "
-                "tokens. Shorten the conversation or its instructions.",
-            )
         max_tokens = room if request.max_output_tokens is None else min(
             request.max_output_tokens, room
         )

@@ -1,0 +1,134 @@
+"""Shared fixtures: an in-process scripted server, and one real vLLM server per run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tokenwire.config import ServerConfig
+from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.server import TokenwireServer
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class RunningServer:
+    def __init__(self, server: TokenwireServer) -> None:
+        self.server = server
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.server.port}/v1/realtime"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[RunningServer]:
+    """A scripted-engine server in this process, 1000 tokens/s."""
+    async with _scripted_server(ServerConfig(engine="scripted", port=0, max_message_bytes=64 * 1024,
+                                             scripted_tokens_per_s=1000.0)) as s:
+        yield s
+
+
+class _scripted_server:
+    def __init__(self, config: ServerConfig) -> None:
+        self.server = TokenwireServer(
+            config, ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s, max_context_tokens=512)
+        )
+
+    async def __aenter__(self) -> RunningServer:
+        await self.server.start()
+        return RunningServer(self.server)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.server.close()
+
+
+class VllmServer:
+    def __init__(self, port: int, proc: subprocess.Popen, log_path: Path) -> None:
+        self.port = port
+        self.proc = proc
+        self.log_path = log_path
+        self.url = f"ws://127.0.0.1:{port}/v1/realtime"
+        self.http = f"http://127.0.0.1:{port}"
+
+    def health(self) -> dict:
+        return http_json(self.http + "/healthz")[1]
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Wait until the engine holds no request; return the last health report."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            load = h["engine_load"]
+            if (load["running"], load["waiting"], load.get("unfinished", 0)) == (0, 0, 0):
+                return h
+            if time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def vllm_server() -> Iterator[VllmServer]:
+    """One real `tokenwire serve --engine vllm` (SmolLM2 on the CPU) for the whole run."""
+    port = free_port()
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / "vllm-server.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENWIRE_LOG_LEVEL="info")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenwire", "serve", "--engine", "vllm", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    server = VllmServer(port, proc, log_path)
+    deadline = time.monotonic() + 600
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited:\n{log_path.read_text()[-4000:]}")
+            try:
+                status, body = http_json(server.http + "/readyz", timeout=2)
+                if status == 200:
+                    break
+                if body.get("error"):
+                    raise RuntimeError(f"engine failed: {body['error']}")
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server not ready:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
