@@ -53,15 +53,19 @@ class RunningServer:
 @pytest.fixture
 async def scripted() -> AsyncIterator[RunningServer]:
     """A scripted-engine server in this process, 1000 tokens/s."""
-    async with _scripted_server(ServerConfig(engine="scripted", port=0, max_message_bytes=64 * 1024,
-                                             scripted_tokens_per_s=1000.0)) as s:
+    async with _scripted_server(
+        ServerConfig(
+            engine="scripted", port=0, max_message_bytes=64 * 1024, scripted_tokens_per_s=1000.0
+        )
+    ) as s:
         yield s
 
 
 class _scripted_server:
     def __init__(self, config: ServerConfig) -> None:
         self.server = TokenwireServer(
-            config, ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s, max_context_tokens=512)
+            config,
+            ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s, max_context_tokens=512),
         )
 
     async def __aenter__(self) -> RunningServer:
@@ -102,11 +106,13 @@ def vllm_server() -> Iterator[VllmServer]:
     port = free_port()
     ARTIFACTS.mkdir(exist_ok=True)
     log_path = ARTIFACTS / "vllm-server.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENWIRE_LOG_LEVEL="info")
+    env = dict(os.environ, TOKENWIRE_KV_CACHE_GIB="1", TOKENWIRE_LOG_LEVEL="info")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tokenwire", "serve", "--engine", "vllm", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     server = VllmServer(port, proc, log_path)
     deadline = time.monotonic() + 600

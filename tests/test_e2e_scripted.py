@@ -48,21 +48,26 @@ async def test_answer_streams_in_both_subprotocols(scripted: RunningServer, prot
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_frames_use_negotiated_encoding_and_seq(scripted: RunningServer,
-                                                      protocol: str) -> None:
+async def test_frames_use_negotiated_encoding_and_seq(
+    scripted: RunningServer, protocol: str
+) -> None:
     sub = f"tokenwire.v1.{protocol}"
     async with ws_connect(scripted.url, subprotocols=[sub]) as ws:  # type: ignore[list-item]
         assert ws.subprotocol == sub
-        request = {"type": "response.create", "response": {"ignore_eos": True,
-                                                           "max_output_tokens": 20}}
-        await ws.send(msgpack.packb(request) if protocol == "msgpack" else
-                      __import__("json").dumps(request))
+        request = {
+            "type": "response.create",
+            "response": {"ignore_eos": True, "max_output_tokens": 20},
+        }
+        await ws.send(
+            msgpack.packb(request) if protocol == "msgpack" else __import__("json").dumps(request)
+        )
         seqs = []
         while True:
             frame = await ws.recv()
             assert isinstance(frame, bytes if protocol == "msgpack" else str)
-            event = msgpack.unpackb(frame) if protocol == "msgpack" else \
-                __import__("json").loads(frame)
+            event = (
+                msgpack.unpackb(frame) if protocol == "msgpack" else __import__("json").loads(frame)
+            )
             seqs.append(event["seq"])
             if event["type"] == "response.done":
                 break
@@ -114,6 +119,7 @@ async def test_history_carries_across_responses(scripted: RunningServer) -> None
 
 # -- bad input: each gets an error with a stable code; the connection stays open --
 
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize(
     ("frame", "code"),
@@ -124,8 +130,9 @@ async def test_history_carries_across_responses(scripted: RunningServer) -> None
         (msgpack.packb("just a string"), "invalid_event"),
     ],
 )
-async def test_undecodable_frames(scripted: RunningServer, protocol: str, frame: str | bytes,
-                                  code: str) -> None:
+async def test_undecodable_frames(
+    scripted: RunningServer, protocol: str, frame: str | bytes, code: str
+) -> None:
     async with await connect(scripted.url, protocol=protocol) as tw:
         await tw.send_raw(frame)
         error = await next_error(tw)
@@ -141,16 +148,22 @@ async def test_undecodable_frames(scripted: RunningServer, protocol: str, frame:
     [
         ({"type": "response.teleport"}, "unknown_event_type"),
         ({"type": "conversation.item.create"}, "missing_field"),
-        ({"type": "conversation.item.create",
-          "item": {"type": "message", "role": "user", "content": 42}}, "invalid_field"),
+        (
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": 42},
+            },
+            "invalid_field",
+        ),
         ({"type": "session.update", "session": {"temperature": "warm"}}, "invalid_field"),
         ({"type": "response.create", "response": {"surprise": True}}, "unknown_field"),
         ({"type": "response.cancel", "response_id": "resp_unknown"}, "unknown_response"),
         ({"type": "response.cancel"}, "response_not_active"),
     ],
 )
-async def test_bad_events_echo_event_id(scripted: RunningServer, protocol: str, event: dict,
-                                        code: str) -> None:
+async def test_bad_events_echo_event_id(
+    scripted: RunningServer, protocol: str, event: dict, code: str
+) -> None:
     async with await connect(scripted.url, protocol=protocol) as tw:
         with pytest.raises(TokenwireError) as info:
             await tw.request(dict(event, event_id="evt-bad"))
@@ -167,8 +180,9 @@ async def test_second_response_in_same_conversation(scripted: RunningServer) -> 
         assert info.value.code == "conversation_already_has_active_response"
         assert info.value.error["event_id"] == "dup"
         # An out-of-band response may run beside it.
-        side = await tw.create_response(conversation="none", input=[
-            {"type": "message", "role": "user", "content": "aside"}])
+        side = await tw.create_response(
+            conversation="none", input=[{"type": "message", "role": "user", "content": "aside"}]
+        )
         assert await side.text() == "You said: aside"
         assert (await first.cancel())["status"] == "cancelled"
 
@@ -183,8 +197,9 @@ async def test_prompt_longer_than_context(scripted: RunningServer) -> None:
         # Refused before any engine work: no response was created.
         assert scripted.server.engine.load().running == 0
         assert tw._responses == {}
-        side = await tw.create_response(conversation="none", input=[
-            {"type": "message", "role": "user", "content": "short"}])
+        side = await tw.create_response(
+            conversation="none", input=[{"type": "message", "role": "user", "content": "short"}]
+        )
         assert await side.text() == "You said: short"
 
 

@@ -72,6 +72,7 @@ def test_merged_stream_equals_unmerged(spec: list[tuple[str, str]], merges: list
     assert [e["n"] for e in plain_out if e["type"] == "x"] == [
         e["n"] for e in merged_out if e["type"] == "x"
     ]
+
     # No delta moves past an event that came after it.
     def positions(out: list[dict]) -> list[tuple[str, int]]:
         seen, marks = 0, []
@@ -81,6 +82,7 @@ def test_merged_stream_equals_unmerged(spec: list[tuple[str, str]], merges: list
             else:
                 marks.append((e["item_id"], seen))
         return marks
+
     for item in "abc":
         plain_epochs = {s for i_, s in positions(plain_out) if i_ == item}
         merged_epochs = {s for i_, s in positions(merged_out) if i_ == item}

@@ -77,7 +77,9 @@ def test_missing_wrong_typed_and_unknown_fields() -> None:
     item = {"type": "message", "role": "user", "content": 5}
     assert code_of({"type": "conversation.item.create", "item": item}) is ErrorCode.INVALID_FIELD
     bad_role = {"type": "message", "role": "wizard", "content": "x"}
-    assert code_of({"type": "conversation.item.create", "item": bad_role}) is ErrorCode.INVALID_FIELD
+    assert (
+        code_of({"type": "conversation.item.create", "item": bad_role}) is ErrorCode.INVALID_FIELD
+    )
     assert code_of({"type": "response.create", "response": {"temperature": "hot"}}) is (
         ErrorCode.INVALID_FIELD
     )
@@ -98,8 +100,13 @@ def test_error_param_names_the_field() -> None:
 
 
 def test_valid_events_parse() -> None:
-    ev = parse_client_event({"type": "response.create", "event_id": "e1",
-                             "response": {"temperature": 0, "max_output_tokens": 8}})
+    ev = parse_client_event(
+        {
+            "type": "response.create",
+            "event_id": "e1",
+            "response": {"temperature": 0, "max_output_tokens": 8},
+        }
+    )
     assert isinstance(ev, ResponseCreate)
     assert ev.response.temperature == 0 and ev.response.conversation == "auto"
     raw = msgpack.packb({"type": "response.cancel"})

@@ -42,8 +42,13 @@ def errors(events: list[dict[str, Any]]) -> list[str]:
 
 
 def start(s: Session, text: str = "hi", **params: Any) -> tuple[str, StartGeneration]:
-    send(s, {"type": "conversation.item.create",
-             "item": {"type": "message", "role": "user", "content": text}})
+    send(
+        s,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": text},
+        },
+    )
     events = send(s, {"type": "response.create", "event_id": "create", "response": params})
     created = events[0]
     assert created["type"] == "response.created" and created["event_id"] == "create"
@@ -53,8 +58,14 @@ def start(s: Session, text: str = "hi", **params: Any) -> tuple[str, StartGenera
 
 
 def test_update_session_answers_with_full_session(session: Session) -> None:
-    (ev,) = send(session, {"type": "session.update", "event_id": "u",
-                           "session": {"instructions": "Be brief.", "temperature": 0.2}})
+    (ev,) = send(
+        session,
+        {
+            "type": "session.update",
+            "event_id": "u",
+            "session": {"instructions": "Be brief.", "temperature": 0.2},
+        },
+    )
     assert ev["type"] == "session.updated" and ev["event_id"] == "u"
     assert ev["session"]["instructions"] == "Be brief."
     assert ev["session"]["temperature"] == 0.2
@@ -65,8 +76,10 @@ def test_item_create_then_response_renders_chat(session: Session) -> None:
     send(session, {"type": "session.update", "session": {"instructions": "sys"}})
     rid, action = start(session, "What is 2+2?", temperature=0, max_output_tokens=5)
     req = action.request
-    assert req.messages == [{"role": "system", "content": "sys"},
-                            {"role": "user", "content": "What is 2+2?"}]
+    assert req.messages == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
     assert req.temperature == 0 and req.max_output_tokens == 5
     assert action.response_id == rid
 
@@ -80,14 +93,20 @@ def test_full_response_lifecycle(session: Session, clock: Clock) -> None:
     session.receive_engine_output(rq, EngineDelta("lo", 1, "stop"))
     events = session.events_to_send()
     assert [e["type"] for e in events] == [
-        "response.output_text.delta", "response.output_text.delta",
-        "response.output_text.done", "response.done",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.done",
     ]
     assert events[2]["text"] == "Hello"
     done = events[3]["response"]
     assert done["id"] == rid and done["status"] == "completed"
-    assert done["usage"] == {"input_tokens": 12, "output_tokens": 2, "cached_tokens": 4,
-                             "total_tokens": 14}
+    assert done["usage"] == {
+        "input_tokens": 12,
+        "output_tokens": 2,
+        "cached_tokens": 4,
+        "total_tokens": 14,
+    }
     assert done["timings"]["ttft_ms"] == pytest.approx(250)
     assert done["timings"]["total_ms"] == pytest.approx(350)
     assert done["output"][0]["content"] == "Hello"
@@ -121,13 +140,15 @@ def test_cancel_aborts_and_ends_at_once(session: Session) -> None:
 
 def test_cancel_errors(session: Session) -> None:
     assert errors(send(session, {"type": "response.cancel", "response_id": "resp_x"})) == [
-        "unknown_response"]
+        "unknown_response"
+    ]
     assert errors(send(session, {"type": "response.cancel"})) == ["response_not_active"]
     rid, action = start(session)
     session.receive_engine_output(action.request.request_id, EngineDelta("x", 1, "stop", 1, 0))
     session.events_to_send()
     assert errors(send(session, {"type": "response.cancel", "response_id": rid})) == [
-        "response_not_active"]
+        "response_not_active"
+    ]
 
 
 def test_one_active_response_per_conversation(session: Session) -> None:
@@ -136,9 +157,16 @@ def test_one_active_response_per_conversation(session: Session) -> None:
     assert errors(events) == [ErrorCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE]
     assert events[0]["error"]["event_id"] == "second"
     # Out-of-band responses may run beside it, with their own input.
-    events = send(session, {"type": "response.create", "response": {
-        "conversation": "none",
-        "input": [{"type": "message", "role": "user", "content": "side question"}]}})
+    events = send(
+        session,
+        {
+            "type": "response.create",
+            "response": {
+                "conversation": "none",
+                "input": [{"type": "message", "role": "user", "content": "side question"}],
+            },
+        },
+    )
     assert events[0]["type"] == "response.created"
     (action,) = session.actions_to_perform()
     assert action.request.messages == [{"role": "user", "content": "side question"}]
@@ -149,13 +177,15 @@ def test_max_active_responses(clock: Clock) -> None:
     for _ in range(2):
         send(s, {"type": "response.create", "response": {"conversation": "none"}})
     assert errors(send(s, {"type": "response.create", "response": {"conversation": "none"}})) == [
-        "too_many_responses"]
+        "too_many_responses"
+    ]
 
 
 def test_engine_error_fails_response_and_echoes_event_id(session: Session) -> None:
     _, action = start(session)
-    session.receive_engine_error(action.request.request_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                                 "too long")
+    session.receive_engine_error(
+        action.request.request_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long"
+    )
     events = session.events_to_send()
     assert events[0]["error"]["code"] == "context_length_exceeded"
     assert events[0]["error"]["event_id"] == "create"
@@ -167,7 +197,8 @@ def test_close_aborts_everything(session: Session) -> None:
     session.close()
     assert session.actions_to_perform() == [AbortGeneration(rid, action.request.request_id)]
     assert session.events_to_send()[-1]["response"]["status_details"]["reason"] == (
-        "client_disconnected")
+        "client_disconnected"
+    )
 
 
 def test_truncate_keeps_heard_prefix(session: Session) -> None:
@@ -176,17 +207,21 @@ def test_truncate_keeps_heard_prefix(session: Session) -> None:
     session.receive_engine_output(rq, EngineDelta("The capital is Paris.", 5, None, 3, 0))
     item_id = session.items[-1]["id"]
     # Not while it is still generating: cancel first.
-    assert errors(send(session, {"type": "conversation.item.truncate", "item_id": item_id,
-                                 "text_end": 3})) == ["invalid_state"]
+    assert errors(
+        send(session, {"type": "conversation.item.truncate", "item_id": item_id, "text_end": 3})
+    ) == ["invalid_state"]
     send(session, {"type": "response.cancel"})
-    (ev,) = send(session, {"type": "conversation.item.truncate", "item_id": item_id,
-                           "text_end": 11})
+    (ev,) = send(
+        session, {"type": "conversation.item.truncate", "item_id": item_id, "text_end": 11}
+    )
     assert ev["type"] == "conversation.item.truncated"
     assert session.items[-1]["content"] == "The capital"
-    assert errors(send(session, {"type": "conversation.item.truncate", "item_id": item_id,
-                                 "text_end": 50})) == ["invalid_field"]
-    assert errors(send(session, {"type": "conversation.item.truncate", "item_id": "nope",
-                                 "text_end": 1})) == ["unknown_item"]
+    assert errors(
+        send(session, {"type": "conversation.item.truncate", "item_id": item_id, "text_end": 50})
+    ) == ["invalid_field"]
+    assert errors(
+        send(session, {"type": "conversation.item.truncate", "item_id": "nope", "text_end": 1})
+    ) == ["unknown_item"]
 
 
 def test_steer_continues_same_response(session: Session) -> None:
@@ -216,12 +251,19 @@ def test_steer_continues_same_response(session: Session) -> None:
 
 def test_steer_without_active_response(session: Session) -> None:
     assert errors(send(session, {"type": "response.steer", "input": "x"})) == [
-        "response_not_active"]
+        "response_not_active"
+    ]
 
 
 def test_function_call_output_for_unknown_call(session: Session) -> None:
-    events = send(session, {"type": "conversation.item.create", "event_id": "f", "item": {
-        "type": "function_call_output", "call_id": "call_1", "output": "{}"}})
+    events = send(
+        session,
+        {
+            "type": "conversation.item.create",
+            "event_id": "f",
+            "item": {"type": "function_call_output", "call_id": "call_1", "output": "{}"},
+        },
+    )
     assert errors(events) == ["unknown_call_id"]
 
 
@@ -229,15 +271,17 @@ def test_duplicate_item_id(session: Session) -> None:
     item = {"type": "message", "role": "user", "content": "x", "id": "mine"}
     send(session, {"type": "conversation.item.create", "item": item})
     assert errors(send(session, {"type": "conversation.item.create", "item": item})) == [
-        "duplicate_item_id"]
+        "duplicate_item_id"
+    ]
 
 
 def test_seq_rises_by_one_on_every_event(session: Session) -> None:
     box = Outbox()
     _, action = start(session)
     for i in range(5):
-        session.receive_engine_output(action.request.request_id,
-                                      EngineDelta(f"t{i}", 1, "stop" if i == 4 else None))
+        session.receive_engine_output(
+            action.request.request_id, EngineDelta(f"t{i}", 1, "stop" if i == 4 else None)
+        )
     send(session, {"type": "nope"})
     box.extend(session.events_to_send())
     seqs = []
@@ -253,6 +297,8 @@ def test_events_snapshot_items(session: Session) -> None:
     session.receive_engine_output(action.request.request_id, EngineDelta("abc", 1, "stop", 1, 0))
     done = session.events_to_send()[-1]
     assert created == [] or all(not o["content"] for o in created[0]["response"]["output"])
-    send(session, {"type": "conversation.item.truncate", "item_id": session.items[-1]["id"],
-                   "text_end": 1})
+    send(
+        session,
+        {"type": "conversation.item.truncate", "item_id": session.items[-1]["id"], "text_end": 1},
+    )
     assert done["response"]["output"][0]["content"] == "abc"

@@ -20,6 +20,7 @@ _HELP = {
     "kv_cache_gib": "KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB",
     "scripted_tokens_per_s": "token rate of the scripted engine (0: as fast as possible)",
     "max_active_responses": "responses one connection may run at once",
+    "default_max_output_tokens": "output cap when the client sets no max_output_tokens",
     "ping_interval_s": "WebSocket keepalive ping interval, seconds",
     "log_content": "log message text (off by default: logs never hold user data)",
     "log_level": "debug, info, warning or error",
@@ -47,12 +48,14 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         helptext = f"{_HELP[name]} (env {env_name(name)}; default: %(default)s)"
         if isinstance(getattr(defaults, name), bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=helptext)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=helptext
+            )
             continue
         kind = type(getattr(defaults, name)) if getattr(defaults, name) is not None else str
-        parser.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(name),
-                            help=helptext)
+        parser.add_argument(
+            flag, type=kind, default=default, choices=_CHOICES.get(name), help=helptext
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

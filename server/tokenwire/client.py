@@ -238,7 +238,10 @@ async def connect(
     subprotocol = SUBPROTOCOL_MSGPACK if protocol == "msgpack" else SUBPROTOCOL_JSON
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     ws = await ws_connect(
-        url, subprotocols=[subprotocol], additional_headers=headers, compression=None,  # type: ignore[list-item]
+        url,
+        subprotocols=[subprotocol],
+        additional_headers=headers,
+        compression=None,  # type: ignore[list-item]
         **kwargs,
     )
     client = Client(ws)

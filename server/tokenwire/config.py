@@ -17,6 +17,9 @@ class ServerConfig:
     kv_cache_gib: float = 1.0
     scripted_tokens_per_s: float = 50.0
     max_active_responses: int = 8
+    # Cap when neither session nor response sets max_output_tokens: small
+    # models can loop until the context is full.
+    default_max_output_tokens: int = 1024
     ping_interval_s: float = 20.0
     log_content: bool = False  # log message text; off so logs never hold user data
     log_level: str = "info"

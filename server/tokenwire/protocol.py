@@ -107,8 +107,14 @@ def decode_frame(data: str | bytes) -> Any:
         if isinstance(data, str):
             return json.loads(data)
         return msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, RecursionError, msgpack.ExtraData, msgpack.FormatError,
-            msgpack.StackError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        RecursionError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as exc:
         kind = "JSON" if isinstance(data, str) else "msgpack"
         raise ProtocolError(
             ErrorCode.MALFORMED_FRAME, f"the frame is not valid {kind}: {exc}"
@@ -133,7 +139,9 @@ class Codec:
 # Client events
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
-ItemId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+ItemId = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 
@@ -160,7 +168,9 @@ Item = Annotated[MessageItem | FunctionCallOutputItem, Field(discriminator="type
 class FunctionTool(BaseModel):
     model_config = _STRICT
     type: Literal["function"] = "function"
-    name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    name: Annotated[
+        str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    ]
     description: str | None = None
     parameters: dict[str, JsonValue] = Field(default_factory=lambda: {"type": "object"})
 
@@ -277,7 +287,9 @@ def parse_client_event(obj: Any) -> ClientEvent:
     kind = obj.get("type")
     if not isinstance(kind, str):
         raise ProtocolError(
-            ErrorCode.INVALID_EVENT, "an event needs a string 'type'", event_id=event_id,
+            ErrorCode.INVALID_EVENT,
+            "an event needs a string 'type'",
+            event_id=event_id,
             param="type",
         )
     adapter = _EVENT_TYPES.get(kind)

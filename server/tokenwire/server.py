@@ -28,8 +28,11 @@ REALTIME_PATH = "/v1/realtime"
 def json_response(status: HTTPStatus, body: dict[str, Any]) -> Response:
     data = json.dumps(body).encode()
     headers = Headers(
-        [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
-         ("Cache-Control", "no-store")]
+        [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(data))),
+            ("Cache-Control", "no-store"),
+        ]
     )
     return Response(status.value, status.phrase, headers, data)
 
@@ -106,8 +109,11 @@ class TokenwireServer:
             ping_interval=self.config.ping_interval_s,
             ping_timeout=self.config.ping_interval_s,
         )
-        log.info("listening", url=f"ws://{self.config.host}:{self.port}{REALTIME_PATH}",
-                 engine=self.engine.name)
+        log.info(
+            "listening",
+            url=f"ws://{self.config.host}:{self.port}{REALTIME_PATH}",
+            engine=self.engine.name,
+        )
 
     @property
     def port(self) -> int:

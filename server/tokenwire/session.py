@@ -176,25 +176,31 @@ class Session:
         item = self._items_by_id.get(ev.item_id)
         if item is None:
             raise ProtocolError(
-                ErrorCode.UNKNOWN_ITEM, f"no item {ev.item_id!r} in the conversation",
-                event_id=ev.event_id, param="item_id",
+                ErrorCode.UNKNOWN_ITEM,
+                f"no item {ev.item_id!r} in the conversation",
+                event_id=ev.event_id,
+                param="item_id",
             )
         if item["type"] != "message" or item["role"] != "assistant":
             raise ProtocolError(
-                ErrorCode.INVALID_STATE, "only assistant messages can be truncated",
-                event_id=ev.event_id, param="item_id",
+                ErrorCode.INVALID_STATE,
+                "only assistant messages can be truncated",
+                event_id=ev.event_id,
+                param="item_id",
             )
         if item["status"] == "in_progress":
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,
                 "the item is still being generated; send response.cancel first, then truncate",
-                event_id=ev.event_id, param="item_id",
+                event_id=ev.event_id,
+                param="item_id",
             )
         if ev.text_end > len(item["content"]):
             raise ProtocolError(
                 ErrorCode.INVALID_FIELD,
                 f"text_end {ev.text_end} is past the item's {len(item['content'])} characters",
-                event_id=ev.event_id, param="text_end",
+                event_id=ev.event_id,
+                param="text_end",
             )
         item["content"] = item["content"][: ev.text_end]
         item["status"] = "incomplete"
@@ -211,7 +217,7 @@ class Session:
             raise ProtocolError(
                 ErrorCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,
                 f"response {active.id} is still active in this conversation; wait for its "
-                "response.done, cancel it, or use conversation:\"none\"",
+                'response.done, cancel it, or use conversation:"none"',
                 event_id=ev.event_id,
             )
         if len(self.active_responses) >= self.limits.max_active_responses:
@@ -237,8 +243,7 @@ class Session:
             "tools": rp.model_dump()["tools"] if rp.tools is not None else self.config["tools"],
             "tool_choice": pick("tool_choice"),
             "temperature": pick("temperature"),
-            "max_output_tokens": pick("max_output_tokens")
-            or self.limits.default_max_output_tokens,
+            "max_output_tokens": pick("max_output_tokens") or self.limits.default_max_output_tokens,
             "ignore_eos": rp.ignore_eos,
         }
         if isinstance(params["tool_choice"], p.NamedToolChoice):
@@ -370,7 +375,8 @@ class Session:
                 return conv[0] if conv else active[0]
             raise ProtocolError(
                 ErrorCode.RESPONSE_NOT_ACTIVE if not active else ErrorCode.MISSING_FIELD,
-                f"no active response to {verb}" if not active
+                f"no active response to {verb}"
+                if not active
                 else f"several responses are active; name one with response_id to {verb}",
                 event_id=event_id,
                 param=None if not active else "response_id",
@@ -382,11 +388,14 @@ class Session:
             raise ProtocolError(
                 ErrorCode.RESPONSE_NOT_ACTIVE,
                 f"response {response_id} has already finished",
-                event_id=event_id, param="response_id",
+                event_id=event_id,
+                param="response_id",
             )
         raise ProtocolError(
-            ErrorCode.UNKNOWN_RESPONSE, f"no response {response_id!r} in this session",
-            event_id=event_id, param="response_id",
+            ErrorCode.UNKNOWN_RESPONSE,
+            f"no response {response_id!r} in this session",
+            event_id=event_id,
+            param="response_id",
         )
 
     def _make_item(self, fields: dict[str, Any]) -> dict[str, Any]:
@@ -395,27 +404,33 @@ class Session:
         item.setdefault("status", "completed")
         return item
 
-    def _new_item(self, raw: p.MessageItem | p.FunctionCallOutputItem, event_id: str | None
-                  ) -> dict[str, Any]:
+    def _new_item(
+        self, raw: p.MessageItem | p.FunctionCallOutputItem, event_id: str | None
+    ) -> dict[str, Any]:
         fields = raw.model_dump(exclude_none=True)
         if fields.get("id") in self._items_by_id:
             raise ProtocolError(
-                ErrorCode.DUPLICATE_ITEM_ID, f"an item {fields['id']!r} already exists",
-                event_id=event_id, param="item.id",
+                ErrorCode.DUPLICATE_ITEM_ID,
+                f"an item {fields['id']!r} already exists",
+                event_id=event_id,
+                param="item.id",
             )
         if isinstance(raw, p.FunctionCallOutputItem):
             raise ProtocolError(
                 ErrorCode.UNKNOWN_CALL_ID,
                 f"no pending function call {raw.call_id!r} in this session",
-                event_id=event_id, param="item.call_id",
+                event_id=event_id,
+                param="item.call_id",
             )
         return self._make_item(fields)
 
     def _check_previous(self, previous_item_id: str | None, event_id: str | None) -> None:
         if previous_item_id is not None and previous_item_id not in self._items_by_id:
             raise ProtocolError(
-                ErrorCode.UNKNOWN_ITEM, f"no item {previous_item_id!r} in the conversation",
-                event_id=event_id, param="previous_item_id",
+                ErrorCode.UNKNOWN_ITEM,
+                f"no item {previous_item_id!r} in the conversation",
+                event_id=event_id,
+                param="previous_item_id",
             )
 
     def _insert_item(self, item: dict[str, Any], previous_item_id: str | None) -> None:
@@ -529,7 +544,8 @@ class Session:
                 "total_ms": round(total * 1000, 2),
                 "output_tokens_per_s": (
                     round((resp.output_tokens - 1) / decode, 2)
-                    if decode > 0 and resp.output_tokens > 1 else None
+                    if decode > 0 and resp.output_tokens > 1
+                    else None
                 ),
             }
         return out

@@ -35,7 +35,10 @@ class Connection:
         self.config = config
         self.codec = Codec(ws.subprotocol)
         self.session = Session(
-            limits=SessionLimits(max_active_responses=config.max_active_responses),
+            limits=SessionLimits(
+                max_active_responses=config.max_active_responses,
+                default_max_output_tokens=config.default_max_output_tokens,
+            ),
             info={
                 "engine": engine.name,
                 "subprotocol": self.codec.subprotocol,
@@ -56,8 +59,9 @@ class Connection:
         return transport.get_write_buffer_size() if transport is not None else 0
 
     async def run(self) -> None:
-        self.log.info("session_open", subprotocol=self.codec.subprotocol,
-                      remote=str(self.ws.remote_address))
+        self.log.info(
+            "session_open", subprotocol=self.codec.subprotocol, remote=str(self.ws.remote_address)
+        )
         writer = asyncio.create_task(self._write_loop())
         self._pump()
         close_reason = "client_closed"
@@ -143,7 +147,9 @@ class Connection:
         if kind == "response.done":
             r = event["response"]
             fields: dict[str, Any] = {
-                "response_id": r["id"], "status": r["status"], "usage": r.get("usage"),
+                "response_id": r["id"],
+                "status": r["status"],
+                "usage": r.get("usage"),
                 "timings": r.get("timings"),
             }
             if self.config.log_content:
@@ -152,5 +158,6 @@ class Connection:
         elif kind == "response.created":
             self.log.info("response_created", response_id=event["response"]["id"])
         elif kind == "error":
-            self.log.info("client_error", code=event["error"]["code"],
-                          event_id=event["error"].get("event_id"))
+            self.log.info(
+                "client_error", code=event["error"]["code"], event_id=event["error"].get("event_id")
+            )

@@ -9,7 +9,14 @@ from .base import Engine, EngineDelta, EngineError, EngineLoad, GenerationReques
 if TYPE_CHECKING:
     from ..config import ServerConfig
 
-__all__ = ["Engine", "EngineDelta", "EngineError", "EngineLoad", "GenerationRequest", "create_engine"]
+__all__ = [
+    "Engine",
+    "EngineDelta",
+    "EngineError",
+    "EngineLoad",
+    "GenerationRequest",
+    "create_engine",
+]
 
 
 def create_engine(config: ServerConfig) -> Engine:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..logs import get_logger
 from ..protocol import ErrorCode
@@ -29,13 +29,18 @@ def _load_tracker_class() -> type:
     class LoadTracker(StatLoggerBase):
         """Keeps the scheduler's latest running/waiting counts."""
 
-        latest: dict[str, int] = {"running": 0, "waiting": 0}
+        latest: ClassVar[dict[str, int]] = {"running": 0, "waiting": 0}
 
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             pass
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any,
-                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
             if scheduler_stats is not None:
                 LoadTracker.latest = {
                     "running": scheduler_stats.num_running_reqs,
@@ -93,7 +98,8 @@ class VllmEngine:
         # Conversion of the bundled model (first run only) is CPU-bound.
         path = await asyncio.to_thread(resolve_model, self.config.model)
         self.model_path = str(path)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        # The flag (or TOKENWIRE_KV_CACHE_GIB) is the one knob; vLLM reads this.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.config.kv_cache_gib:g}"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -171,8 +177,8 @@ class VllmEngine:
         if ids is None:
             ids = self._checked_ids(request)
         room = (self._max_len or 0) - len(ids)
-        max_tokens = room if request.max_output_tokens is None else min(
-            request.max_output_tokens, room
+        max_tokens = (
+            room if request.max_output_tokens is None else min(request.max_output_tokens, room)
         )
         params = SamplingParams(
             temperature=request.temperature,
@@ -184,9 +190,7 @@ class VllmEngine:
             ),
         )
         first = True
-        async for out in self._llm.generate(
-            {"prompt_token_ids": ids}, params, request.request_id
-        ):
+        async for out in self._llm.generate({"prompt_token_ids": ids}, params, request.request_id):
             completion = out.outputs[0]
             yield EngineDelta(
                 text=completion.text,

