@@ -21,6 +21,8 @@ _HELP = {
     "scripted_tokens_per_s": "token rate of the scripted engine (0: as fast as possible)",
     "max_active_responses": "responses one connection may run at once",
     "default_max_output_tokens": "output cap when the client sets no max_output_tokens",
+    "tool_timeout_s": "how long a response waits for tool outputs before ending incomplete",
+    "tool_parser": "vLLM tool parser for tool_choice auto (e.g. hermes); default: none",
     "ping_interval_s": "WebSocket keepalive ping interval, seconds",
     "log_content": "log message text (off by default: logs never hold user data)",
     "log_level": "debug, info, warning or error",

@@ -8,6 +8,13 @@
 
 Every request carries an `event_id`; the server echoes it on its reply (or
 on the `error` about it), which is how replies are matched to calls.
+
+Tool handlers run when a call's arguments are complete; their return value
+(JSON-encoded unless it is a str) or their exception goes back as the call's
+`function_call_output`, and the same response continues:
+
+    async def get_weather(city: str) -> dict: ...
+    tw = await connect(url, tools={"get_weather": get_weather})
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from websockets.asyncio.client import ClientConnection
@@ -106,9 +114,15 @@ class Response:
         )
 
 
+ToolHandler = Callable[..., Awaitable[Any]]
+
+
 class Client:
-    def __init__(self, ws: ClientConnection) -> None:
+    def __init__(self, ws: ClientConnection, tools: dict[str, ToolHandler] | None = None) -> None:
         self.ws = ws
+        # Tool name -> async function called with the call's arguments as keywords.
+        self.tool_handlers: dict[str, ToolHandler] = dict(tools or {})
+        self._tool_tasks: set[asyncio.Task[None]] = set()
         self.codec = Codec(ws.subprotocol)
         self.session: dict[str, Any] = {}
         self._ids = itertools.count(1)
@@ -214,6 +228,10 @@ class Client:
             response._feed(event)
             if kind == _TERMINAL:
                 del self._responses[response_id]
+        if kind == "response.function_call_arguments.done" and event["name"] in self.tool_handlers:
+            task = asyncio.create_task(self._run_tool(event))
+            self._tool_tasks.add(task)
+            task.add_done_callback(self._tool_tasks.discard)
         event_id = event.get("event_id") or (
             event["error"].get("event_id") if kind == "error" else None
         )
@@ -226,12 +244,26 @@ class Client:
         elif response_id is None:
             self.events.put_nowait(event)
 
+    async def _run_tool(self, event: dict[str, Any]) -> None:
+        """Run a tool handler and send its result (or its error) back as the output."""
+        handler = self.tool_handlers[event["name"]]
+        try:
+            result = await handler(**json.loads(event["arguments"] or "{}"))
+            output = result if isinstance(result, str) else json.dumps(result)
+        except Exception as exc:
+            output = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+        with contextlib.suppress(TokenwireError, ConnectionClosed):
+            await self.create_item(
+                {"type": "function_call_output", "call_id": event["call_id"], "output": output}
+            )
+
 
 async def connect(
     url: str = DEFAULT_URL,
     *,
     protocol: Literal["json", "msgpack"] = "msgpack",
     api_key: str | None = None,
+    tools: dict[str, ToolHandler] | None = None,
     **kwargs: Any,
 ) -> Client:
     """Open a session; returns once `session.created` has arrived."""
@@ -244,6 +276,6 @@ async def connect(
         compression=None,  # type: ignore[list-item]
         **kwargs,
     )
-    client = Client(ws)
+    client = Client(ws, tools)
     await client._ready
     return client

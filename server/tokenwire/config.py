@@ -20,6 +20,10 @@ class ServerConfig:
     # Cap when neither session nor response sets max_output_tokens: small
     # models can loop until the context is full.
     default_max_output_tokens: int = 1024
+    # How long a response waits in requires_action for tool outputs.
+    tool_timeout_s: float = 60.0
+    # vLLM tool parser for tool_choice "auto" (e.g. hermes); none: auto gives text.
+    tool_parser: str | None = None
     ping_interval_s: float = 20.0
     log_content: bool = False  # log message text; off so logs never hold user data
     log_level: str = "info"

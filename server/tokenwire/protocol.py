@@ -8,6 +8,7 @@ No I/O here. The transport hands frames in; `decode_frame` and
 from __future__ import annotations
 
 import json
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -46,6 +47,8 @@ class ErrorCode(StrEnum):
     UNKNOWN_ITEM = "unknown_item"
     DUPLICATE_ITEM_ID = "duplicate_item_id"
     UNKNOWN_CALL_ID = "unknown_call_id"
+    DUPLICATE_CALL_OUTPUT = "duplicate_call_output"
+    INVALID_TOOL_ARGUMENTS = "invalid_tool_arguments"
     INVALID_STATE = "invalid_state"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     ENGINE_UNAVAILABLE = "engine_unavailable"
@@ -191,8 +194,11 @@ class SessionConfig(BaseModel):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     temperature: Temperature | None = None
     max_output_tokens: MaxTokens | None = None
+    # How long a response waits in requires_action for tool outputs.
+    tool_timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = None
 
 
 class ResponseParams(BaseModel):
@@ -200,6 +206,7 @@ class ResponseParams(BaseModel):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     temperature: Temperature | None = None
     max_output_tokens: MaxTokens | None = None
     conversation: Literal["auto", "none"] = "auto"
@@ -232,6 +239,11 @@ class ConversationItemTruncate(_ClientEvent):
     text_end: Annotated[int, Field(ge=0)]
 
 
+class ConversationItemRetrieve(_ClientEvent):
+    type: Literal["conversation.item.retrieve"]
+    item_id: str
+
+
 class ResponseCreate(_ClientEvent):
     type: Literal["response.create"]
     response: ResponseParams = Field(default_factory=ResponseParams)
@@ -258,6 +270,7 @@ ClientEvent = (
     SessionUpdate
     | ConversationItemCreate
     | ConversationItemTruncate
+    | ConversationItemRetrieve
     | ResponseCreate
     | ResponseCancel
     | ResponseSteer
@@ -269,6 +282,9 @@ _EVENT_TYPES: dict[str, TypeAdapter[Any]] = {
     for cls in ClientEvent.__args__  # type: ignore[attr-defined]
 }
 CLIENT_EVENT_TYPES = frozenset(_EVENT_TYPES)
+
+_FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TAGS = {"message", "function_call_output"}
 
 _PYDANTIC_CODES = {
     "missing": ErrorCode.MISSING_FIELD,
@@ -304,8 +320,13 @@ def parse_client_event(obj: Any) -> ClientEvent:
         return adapter.validate_python(obj)
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
-        # Drop discriminator tags pydantic puts into the location.
-        loc = [str(p) for p in first["loc"] if p not in ("message", "function_call_output")]
+        # Keep field names and list indexes; drop the union and tag labels
+        # pydantic adds to the location (e.g. "literal['auto','none']").
+        loc = [
+            str(part)
+            for part in first["loc"]
+            if isinstance(part, int) or (_FIELD_NAME.match(part) and part not in _TAGS)
+        ]
         param = ".".join(loc)
         code = _PYDANTIC_CODES.get(first["type"], ErrorCode.INVALID_FIELD)
         raise ProtocolError(

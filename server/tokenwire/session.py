@@ -2,8 +2,8 @@
 
 Modelled on websockets' `Protocol`: inputs go in through `receive_*`
 methods; the server events to send come out of `events_to_send()` and the
-engine work to do out of `actions_to_perform()`. Nothing here awaits, so
-every transition is unit-tested without sockets or engines.
+work to do (engine requests, timers) out of `actions_to_perform()`. Nothing
+here awaits, so every transition is unit-tested without sockets or engines.
 
 Server events come out *without* `seq`; the `Outbox` numbers them as they are
 written, after any merging, so `seq` never has gaps.
@@ -11,12 +11,15 @@ written, after any merging, so `seq` never has gaps.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import jsonschema
 
 from . import protocol as p
 from .engines.base import EngineDelta, EngineError, GenerationRequest
@@ -45,7 +48,16 @@ class AbortGeneration:
     request_id: str
 
 
-Action = StartGeneration | AbortGeneration
+@dataclass(frozen=True, slots=True)
+class StartTimer:
+    """Call `receive_timeout(response_id, token)` after `delay_s`."""
+
+    response_id: str
+    token: int
+    delay_s: float
+
+
+Action = StartGeneration | AbortGeneration | StartTimer
 
 
 # ---------------------------------------------------------------------------
@@ -57,6 +69,7 @@ class SessionLimits:
     max_active_responses: int = 8
     # Default cap on output tokens when neither session nor response sets one.
     default_max_output_tokens: int | None = None
+    tool_timeout_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -70,12 +83,16 @@ class Response:
     # "auto", a private one for "none". Output items are appended to it.
     context: list[dict[str, Any]]
     created_at: float
+    tool_choice: str | dict[str, Any] = "auto"
     status: str = "in_progress"
     status_details: dict[str, Any] | None = None
     output: list[dict[str, Any]] = field(default_factory=list)
-    current_item: dict[str, Any] | None = None
+    current_item: dict[str, Any] | None = None  # the assistant text being written
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # this generation's
+    pending_calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # call_id -> item
     request_id: str | None = None
     generation: int = 0
+    wait_token: int = 0
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
@@ -106,8 +123,10 @@ class Session:
             "instructions": None,
             "tools": [],
             "tool_choice": "auto",
+            "parallel_tool_calls": True,
             "temperature": 1.0,
             "max_output_tokens": None,
+            "tool_timeout_s": self.limits.tool_timeout_s,
         }
         self._info = dict(info or {})
         self.items: list[dict[str, Any]] = []
@@ -116,6 +135,8 @@ class Session:
         # Finished responses, kept briefly so a late cancel gets a precise error.
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._requests: dict[str, str] = {}  # engine request id -> response id
+        # Every function call: call_id -> (item, owning response id, answered?)
+        self._calls: dict[str, tuple[dict[str, Any], str, bool]] = {}
         self._events: list[dict[str, Any]] = []
         self._actions: list[Action] = []
         self.closed = False
@@ -144,8 +165,7 @@ class Session:
         """Take one decoded frame; bad input becomes an `error` event."""
         try:
             event = p.parse_client_event(obj)
-            handler = getattr(self, "_on_" + event.type.replace(".", "_"))
-            handler(event)
+            getattr(self, "_on_" + event.type.replace(".", "_"))(event)
         except ProtocolError as err:
             self._emit(err.to_event())
 
@@ -154,33 +174,35 @@ class Session:
         self._emit(err.to_event())
 
     def _on_session_update(self, ev: p.SessionUpdate) -> None:
-        for key, value in ev.session.model_dump(exclude_none=True).items():
-            self.config[key] = value
+        update = ev.session.model_dump(exclude_none=True)
+        tools = update.get("tools", self.config["tools"])
+        choice = update.get("tool_choice", self.config["tool_choice"])
+        self._check_tool_choice(choice, tools, ev.event_id, "session.tool_choice")
+        self.config.update(update)
         self._emit({"type": "session.updated", "session": self.describe()}, ev.event_id)
 
     def _on_conversation_item_create(self, ev: p.ConversationItemCreate) -> None:
-        self._check_previous(ev.previous_item_id, ev.event_id)
-        item = self._new_item(ev.item, ev.event_id)
-        previous = self.items[-1]["id"] if self.items else None
-        self._insert_item(item, ev.previous_item_id)
-        self._emit(
-            {
-                "type": "conversation.item.created",
-                "previous_item_id": ev.previous_item_id or previous,
-                "item": dict(item),
-            },
-            ev.event_id,
-        )
-
-    def _on_conversation_item_truncate(self, ev: p.ConversationItemTruncate) -> None:
-        item = self._items_by_id.get(ev.item_id)
-        if item is None:
+        if ev.previous_item_id is not None and ev.previous_item_id not in self._items_by_id:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_ITEM,
-                f"no item {ev.item_id!r} in the conversation",
+                f"no item {ev.previous_item_id!r} in the conversation",
                 event_id=ev.event_id,
-                param="item_id",
+                param="previous_item_id",
             )
+        if isinstance(ev.item, p.FunctionCallOutputItem):
+            self._receive_call_output(ev.item, ev.event_id)
+            return
+        item = self._new_item(ev.item, ev.event_id)
+        previous = ev.previous_item_id or (self.items[-1]["id"] if self.items else None)
+        self._insert_item(item, ev.previous_item_id)
+        self._emit_item_created(item, previous, ev.event_id)
+
+    def _on_conversation_item_retrieve(self, ev: p.ConversationItemRetrieve) -> None:
+        item = self._item(ev.item_id, ev.event_id)
+        self._emit({"type": "conversation.item.retrieved", "item": dict(item)}, ev.event_id)
+
+    def _on_conversation_item_truncate(self, ev: p.ConversationItemTruncate) -> None:
+        item = self._item(ev.item_id, ev.event_id)
         if item["type"] != "message" or item["role"] != "assistant":
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,
@@ -212,12 +234,12 @@ class Session:
     def _on_response_create(self, ev: p.ResponseCreate) -> None:
         rp = ev.response
         in_conversation = rp.conversation == "auto"
-        if in_conversation and any(r.in_conversation for r in self.active_responses):
-            active = next(r for r in self.active_responses if r.in_conversation)
+        conv_active = [r for r in self.active_responses if r.in_conversation]
+        if in_conversation and conv_active:
             raise ProtocolError(
                 ErrorCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,
-                f"response {active.id} is still active in this conversation; wait for its "
-                'response.done, cancel it, or use conversation:"none"',
+                f"response {conv_active[0].id} is still active in this conversation; wait for "
+                'its response.done, cancel it, or use conversation:"none"',
                 event_id=ev.event_id,
             )
         if len(self.active_responses) >= self.limits.max_active_responses:
@@ -226,43 +248,60 @@ class Session:
                 f"at most {self.limits.max_active_responses} responses may run at once",
                 event_id=ev.event_id,
             )
-        if in_conversation:
-            if rp.input is not None:
-                for raw in rp.input:
-                    self._insert_item(self._new_item(raw, ev.event_id), None)
-            context = self.items
-        else:
-            context = [self._new_item(raw, ev.event_id) for raw in rp.input or []]
-
-        def pick(name: str) -> Any:
-            value = getattr(rp, name)
-            return self.config[name] if value is None else value
-
+        given = rp.model_dump(exclude_none=True)
         params = {
-            "instructions": pick("instructions"),
-            "tools": rp.model_dump()["tools"] if rp.tools is not None else self.config["tools"],
-            "tool_choice": pick("tool_choice"),
-            "temperature": pick("temperature"),
-            "max_output_tokens": pick("max_output_tokens") or self.limits.default_max_output_tokens,
-            "ignore_eos": rp.ignore_eos,
+            key: given.get(key, self.config[key])
+            for key in (
+                "instructions",
+                "tools",
+                "tool_choice",
+                "parallel_tool_calls",
+                "temperature",
+                "max_output_tokens",
+                "tool_timeout_s",
+            )
+            if key in self.config
         }
-        if isinstance(params["tool_choice"], p.NamedToolChoice):
-            params["tool_choice"] = params["tool_choice"].model_dump()
+        params["max_output_tokens"] = (
+            params["max_output_tokens"] or self.limits.default_max_output_tokens
+        )
+        params["ignore_eos"] = rp.ignore_eos
+        self._check_tool_choice(
+            params["tool_choice"], params["tools"], ev.event_id, "response.tool_choice"
+        )
+        inputs = [
+            self._new_item(raw, ev.event_id)
+            for raw in rp.input or []
+            if isinstance(raw, p.MessageItem)
+        ]
+        if any(isinstance(raw, p.FunctionCallOutputItem) for raw in rp.input or []):
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                "send function_call_output items with conversation.item.create",
+                event_id=ev.event_id,
+                param="response.input",
+            )
         resp = Response(
             id=new_id("resp"),
             event_id=ev.event_id,
             in_conversation=in_conversation,
             params=params,
             metadata=rp.metadata,
-            context=context,
+            context=self.items if in_conversation else inputs,
             created_at=self.clock(),
+            tool_choice=params["tool_choice"],
         )
-        request = self._next_request(resp)
+        request = self._next_request(resp, extra=inputs if in_conversation else [])
         if self._check_request is not None:
             try:
                 self._check_request(request)
             except EngineError as exc:
                 raise ProtocolError(exc.code, exc.message, event_id=ev.event_id) from None
+        if in_conversation:
+            for item in inputs:
+                previous = self.items[-1]["id"] if self.items else None
+                self._insert_item(item, None)
+                self._emit_item_created(item, previous, None)
         self.responses[resp.id] = resp
         self._emit({"type": "response.created", "response": self._describe(resp)}, ev.event_id)
         self._start_generation(resp, request)
@@ -277,12 +316,23 @@ class Session:
         if resp.status != "in_progress":
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,
-                f"response {resp.id} is {resp.status}; only a generating response can be steered",
+                f"response {resp.id} is {resp.status}; only a generating response can be "
+                "steered (send the pending function_call_output items instead)",
                 event_id=ev.event_id,
             )
-        self._abort_current(resp)
-        previous = self._close_current_item(resp, "incomplete")
         steer_item = self._make_item({"type": "message", "role": "user", "content": ev.input})
+        partial = resp.current_item["content"] if resp.current_item else ""
+        if self._check_request is not None:
+            # Check the continued prompt first, so a steer that cannot fit
+            # leaves the running generation alone.
+            preview = [{"type": "message", "role": "assistant", "content": partial}, steer_item]
+            try:
+                self._check_request(self._next_request(resp, extra=preview))
+            except EngineError as exc:
+                raise ProtocolError(exc.code, exc.message, event_id=ev.event_id) from None
+        self._abort_current(resp)
+        previous = self._close_text_item(resp, "incomplete")
+        self._drop_partial_calls(resp)
         self._append_context(resp, steer_item)
         self._emit(
             {
@@ -302,7 +352,44 @@ class Session:
             event_id=ev.event_id,
         )
 
-    # -- engine input ------------------------------------------------------
+    def _receive_call_output(self, raw: p.FunctionCallOutputItem, event_id: str | None) -> None:
+        known = self._calls.get(raw.call_id)
+        if known is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_CALL_ID,
+                f"no function call {raw.call_id!r} in this session",
+                event_id=event_id,
+                param="item.call_id",
+            )
+        call_item, response_id, answered = known
+        if answered:
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_CALL_OUTPUT,
+                f"call {raw.call_id!r} already has its output",
+                event_id=event_id,
+                param="item.call_id",
+            )
+        item = self._new_item(raw, event_id)
+        self._calls[raw.call_id] = (call_item, response_id, True)
+        resp = self.responses.get(response_id)
+        context = resp.context if resp is not None else self.items
+        previous = context[-1]["id"] if context else None
+        if resp is not None:
+            self._append_context(resp, item)
+        else:
+            self._insert_item(item, None)
+        self._emit_item_created(item, previous, event_id)
+        if resp is not None and resp.status == "requires_action":
+            resp.pending_calls.pop(raw.call_id, None)
+            if not resp.pending_calls:
+                # Every output is in: the same response goes on by itself.
+                resp.status = "in_progress"
+                resp.wait_token += 1
+                if resp.tool_choice != "auto":
+                    resp.tool_choice = "none"  # a forced call is made once, not forever
+                self._start_generation(resp)
+
+    # -- engine and timer input --------------------------------------------
 
     def receive_engine_output(self, request_id: str, delta: EngineDelta) -> None:
         resp = self._response_for(request_id)
@@ -312,31 +399,16 @@ class Session:
             resp.input_tokens += delta.prompt_tokens
             resp.cached_tokens += delta.cached_tokens or 0
         resp.output_tokens += delta.output_tokens
+        if (delta.text or delta.tool_calls) and resp.first_token_at is None:
+            resp.first_token_at = self.clock()
         if delta.text:
-            item = resp.current_item
-            assert item is not None
-            if resp.first_token_at is None:
-                resp.first_token_at = self.clock()
-            item["content"] += delta.text
-            self._emit(
-                {
-                    "type": "response.output_text.delta",
-                    "response_id": resp.id,
-                    "item_id": item["id"],
-                    "delta": delta.text,
-                }
-            )
+            self._receive_text(resp, delta.text)
+        for chunk in delta.tool_calls or ():
+            self._receive_call_chunk(resp, chunk.index, chunk.name, chunk.arguments)
         if delta.finish_reason is not None:
             self._requests.pop(request_id, None)
             resp.request_id = None
-            if delta.finish_reason == "stop" or resp.params["ignore_eos"]:
-                self._finish(resp, "completed", None)
-            elif delta.finish_reason == "length":
-                self._finish(
-                    resp, "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
-                )
-            else:
-                self._finish(resp, "incomplete", {"type": "incomplete", "reason": "engine_aborted"})
+            self._end_generation(resp, delta.finish_reason)
 
     def receive_engine_error(self, request_id: str, code: ErrorCode, message: str) -> None:
         resp = self._response_for(request_id)
@@ -344,10 +416,13 @@ class Session:
             return
         self._requests.pop(request_id, None)
         resp.request_id = None
-        self._emit(p.error_event(code, message, event_id=resp.event_id))
-        self._finish(
-            resp, "failed", {"type": "failed", "error": {"code": str(code), "message": message}}
-        )
+        self._fail(resp, code, message)
+
+    def receive_timeout(self, response_id: str, token: int) -> None:
+        resp = self.responses.get(response_id)
+        if resp is None or resp.status != "requires_action" or resp.wait_token != token:
+            return  # outputs arrived, or the response ended, before the timer fired
+        self._finish(resp, "incomplete", {"type": "incomplete", "reason": "tool_timeout"})
 
     def close(self) -> None:
         """The client went away: stop every generation it owns."""
@@ -356,142 +431,119 @@ class Session:
             self._finish(resp, "cancelled", {"type": "cancelled", "reason": "client_disconnected"})
         self.closed = True
 
-    # -- internals ---------------------------------------------------------
+    # -- internals: output ---------------------------------------------------
 
-    def _emit(self, event: dict[str, Any], event_id: str | None = None) -> None:
-        if event_id is not None:
-            event["event_id"] = event_id
-        self._events.append(event)
-
-    def _response_for(self, request_id: str) -> Response | None:
-        response_id = self._requests.get(request_id)
-        return self.responses.get(response_id) if response_id else None
-
-    def _find_active(self, response_id: str | None, event_id: str | None, verb: str) -> Response:
-        if response_id is None:
-            active = self.active_responses
-            conv = [r for r in active if r.in_conversation]
-            if len(conv) == 1 or len(active) == 1:
-                return conv[0] if conv else active[0]
-            raise ProtocolError(
-                ErrorCode.RESPONSE_NOT_ACTIVE if not active else ErrorCode.MISSING_FIELD,
-                f"no active response to {verb}"
-                if not active
-                else f"several responses are active; name one with response_id to {verb}",
-                event_id=event_id,
-                param=None if not active else "response_id",
+    def _receive_text(self, resp: Response, text: str) -> None:
+        item = resp.current_item
+        if item is None:
+            item = self._make_item(
+                {"type": "message", "role": "assistant", "content": "", "status": "in_progress"}
             )
-        resp = self.responses.get(response_id)
-        if resp is not None and resp.active:
-            return resp
-        if resp is not None or response_id in self._finished:
-            raise ProtocolError(
-                ErrorCode.RESPONSE_NOT_ACTIVE,
-                f"response {response_id} has already finished",
-                event_id=event_id,
-                param="response_id",
-            )
-        raise ProtocolError(
-            ErrorCode.UNKNOWN_RESPONSE,
-            f"no response {response_id!r} in this session",
-            event_id=event_id,
-            param="response_id",
+            self._add_output(resp, item)
+            resp.current_item = item
+        item["content"] += text
+        self._emit(
+            {
+                "type": "response.output_text.delta",
+                "response_id": resp.id,
+                "item_id": item["id"],
+                "delta": text,
+            }
         )
 
-    def _make_item(self, fields: dict[str, Any]) -> dict[str, Any]:
-        item = {"id": fields.pop("id", None) or new_id("item"), "object": "realtime.item"}
-        item.update(fields)
-        item.setdefault("status", "completed")
-        return item
-
-    def _new_item(
-        self, raw: p.MessageItem | p.FunctionCallOutputItem, event_id: str | None
-    ) -> dict[str, Any]:
-        fields = raw.model_dump(exclude_none=True)
-        if fields.get("id") in self._items_by_id:
-            raise ProtocolError(
-                ErrorCode.DUPLICATE_ITEM_ID,
-                f"an item {fields['id']!r} already exists",
-                event_id=event_id,
-                param="item.id",
+    def _receive_call_chunk(
+        self, resp: Response, index: int, name: str | None, arguments: str
+    ) -> None:
+        item = resp.calls.get(index)
+        if item is None:
+            item = self._make_item(
+                {
+                    "type": "function_call",
+                    "call_id": new_id("call"),
+                    "name": name or "",
+                    "arguments": "",
+                    "status": "in_progress",
+                }
             )
-        if isinstance(raw, p.FunctionCallOutputItem):
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_CALL_ID,
-                f"no pending function call {raw.call_id!r} in this session",
-                event_id=event_id,
-                param="item.call_id",
-            )
-        return self._make_item(fields)
+            self._add_output(resp, item)
+            resp.calls[index] = item
+        item["arguments"] += arguments
+        self._emit(
+            {
+                "type": "response.function_call_arguments.delta",
+                "response_id": resp.id,
+                "item_id": item["id"],
+                "call_id": item["call_id"],
+                "name": item["name"],
+                "delta": arguments,
+            }
+        )
 
-    def _check_previous(self, previous_item_id: str | None, event_id: str | None) -> None:
-        if previous_item_id is not None and previous_item_id not in self._items_by_id:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_ITEM,
-                f"no item {previous_item_id!r} in the conversation",
-                event_id=event_id,
-                param="previous_item_id",
-            )
-
-    def _insert_item(self, item: dict[str, Any], previous_item_id: str | None) -> None:
-        if previous_item_id is None:
-            self.items.append(item)
+    def _end_generation(self, resp: Response, finish_reason: str) -> None:
+        if finish_reason not in ("stop", "length"):
+            self._finish(resp, "incomplete", {"type": "incomplete", "reason": "engine_aborted"})
+        elif finish_reason == "length" and not resp.params["ignore_eos"]:
+            self._finish(resp, "incomplete", {"type": "incomplete", "reason": "max_output_tokens"})
+        elif resp.calls:
+            self._close_text_item(resp, "completed")
+            self._emit_calls(resp)
         else:
-            index = next(i for i, it in enumerate(self.items) if it["id"] == previous_item_id)
-            self.items.insert(index + 1, item)
-        self._items_by_id[item["id"]] = item
+            self._finish(resp, "completed", None)
 
-    def _append_context(self, resp: Response, item: dict[str, Any]) -> None:
-        if resp.in_conversation:
-            self._insert_item(item, None)
-        else:
-            resp.context.append(item)
-
-    def _next_request(self, resp: Response) -> GenerationRequest:
-        """The engine request for the response's next generation; changes nothing."""
-        params = resp.params
-        return GenerationRequest(
-            request_id=f"{resp.id}-{resp.generation + 1}",
-            messages=self._render(resp),
-            max_output_tokens=self._remaining_tokens(resp),
-            temperature=params["temperature"],
-            ignore_eos=params["ignore_eos"],
+    def _emit_calls(self, resp: Response) -> None:
+        """The generation ended in tool calls: check them, then wait for outputs."""
+        tools = {t["name"]: t for t in resp.params["tools"]}
+        calls = [resp.calls[i] for i in sorted(resp.calls)]
+        resp.calls = {}
+        for item in calls:
+            problem = self._check_arguments(item, tools)
+            if problem is not None:
+                message = f"call {item['call_id']} to {item['name']!r}: {problem}"
+                self._fail(resp, ErrorCode.INVALID_TOOL_ARGUMENTS, message)
+                return
+        for item in calls:
+            item["status"] = "completed"
+            self._calls[item["call_id"]] = (item, resp.id, False)
+            resp.pending_calls[item["call_id"]] = item
+            self._emit(
+                {
+                    "type": "response.function_call_arguments.done",
+                    "response_id": resp.id,
+                    "item_id": item["id"],
+                    "call_id": item["call_id"],
+                    "name": item["name"],
+                    "arguments": item["arguments"],
+                }
+            )
+        resp.status = "requires_action"
+        resp.wait_token += 1
+        self._emit(
+            {
+                "type": "response.requires_action",
+                "response_id": resp.id,
+                "call_ids": list(resp.pending_calls),
+            }
         )
+        self._actions.append(StartTimer(resp.id, resp.wait_token, resp.params["tool_timeout_s"]))
 
-    def _start_generation(self, resp: Response, request: GenerationRequest | None = None) -> None:
-        request = request or self._next_request(resp)
-        item = self._make_item(
-            {"type": "message", "role": "assistant", "content": "", "status": "in_progress"}
-        )
-        self._append_context(resp, item)
-        resp.current_item = item
-        resp.output.append(item)
-        resp.generation += 1
-        resp.request_id = request.request_id
-        self._requests[resp.request_id] = resp.id
-        self._actions.append(StartGeneration(resp.id, request))
+    @staticmethod
+    def _check_arguments(item: dict[str, Any], tools: dict[str, dict[str, Any]]) -> str | None:
+        tool = tools.get(item["name"])
+        if tool is None:
+            return "the model called a tool that is not defined"
+        try:
+            arguments = json.loads(item["arguments"])
+        except ValueError as exc:
+            return f"the arguments are not valid JSON ({exc})"
+        try:
+            jsonschema.validate(arguments, tool["parameters"])
+        except jsonschema.ValidationError as exc:
+            return f"the arguments fail the tool's schema: {exc.message}"
+        except jsonschema.SchemaError as exc:
+            return f"the tool's parameters are not a valid JSON schema: {exc.message}"
+        return None
 
-    def _remaining_tokens(self, resp: Response) -> int | None:
-        limit = resp.params["max_output_tokens"]
-        return None if limit is None else max(limit - resp.output_tokens, 1)
-
-    def _render(self, resp: Response) -> list[dict[str, Any]]:
-        """Chat messages for the engine's chat template."""
-        messages: list[dict[str, Any]] = []
-        if resp.params["instructions"]:
-            messages.append({"role": "system", "content": resp.params["instructions"]})
-        for item in resp.context:
-            if item["type"] == "message" and (item["content"] or item["role"] != "assistant"):
-                messages.append({"role": item["role"], "content": item["content"]})
-        return messages
-
-    def _abort_current(self, resp: Response) -> None:
-        if resp.request_id is not None:
-            self._actions.append(AbortGeneration(resp.id, resp.request_id))
-            self._requests.pop(resp.request_id, None)
-            resp.request_id = None
-
-    def _close_current_item(self, resp: Response, status: str) -> dict[str, Any] | None:
+    def _close_text_item(self, resp: Response, status: str) -> dict[str, Any] | None:
         item, resp.current_item = resp.current_item, None
         if item is None:
             return None
@@ -506,8 +558,25 @@ class Session:
         )
         return item
 
+    def _drop_partial_calls(self, resp: Response) -> None:
+        # Calls cut off mid-arguments cannot be run; they leave the history.
+        for item in resp.calls.values():
+            item["status"] = "incomplete"
+            if item in resp.context:
+                resp.context.remove(item)
+            self._items_by_id.pop(item["id"], None)
+        resp.calls = {}
+
+    def _fail(self, resp: Response, code: ErrorCode, message: str) -> None:
+        self._emit(p.error_event(code, message, event_id=resp.event_id))
+        self._finish(
+            resp, "failed", {"type": "failed", "error": {"code": str(code), "message": message}}
+        )
+
     def _finish(self, resp: Response, status: str, details: dict[str, Any] | None) -> None:
-        self._close_current_item(resp, "completed" if status == "completed" else "incomplete")
+        self._close_text_item(resp, "completed" if status == "completed" else "incomplete")
+        self._drop_partial_calls(resp)
+        resp.pending_calls.clear()
         resp.status = status
         resp.status_details = details
         resp.done_at = self.clock()
@@ -549,3 +618,204 @@ class Session:
                 ),
             }
         return out
+
+    # -- internals: items and requests ---------------------------------------
+
+    def _emit(self, event: dict[str, Any], event_id: str | None = None) -> None:
+        if event_id is not None:
+            event["event_id"] = event_id
+        self._events.append(event)
+
+    def _emit_item_created(
+        self, item: dict[str, Any], previous: str | None, event_id: str | None
+    ) -> None:
+        self._emit(
+            {"type": "conversation.item.created", "previous_item_id": previous, "item": dict(item)},
+            event_id,
+        )
+
+    def _response_for(self, request_id: str) -> Response | None:
+        response_id = self._requests.get(request_id)
+        return self.responses.get(response_id) if response_id else None
+
+    def _find_active(self, response_id: str | None, event_id: str | None, verb: str) -> Response:
+        if response_id is None:
+            active = self.active_responses
+            conv = [r for r in active if r.in_conversation]
+            if len(conv) == 1 or len(active) == 1:
+                return conv[0] if conv else active[0]
+            if not active:
+                raise ProtocolError(
+                    ErrorCode.RESPONSE_NOT_ACTIVE,
+                    f"no active response to {verb}",
+                    event_id=event_id,
+                )
+            raise ProtocolError(
+                ErrorCode.MISSING_FIELD,
+                f"several responses are active; name one with response_id to {verb}",
+                event_id=event_id,
+                param="response_id",
+            )
+        resp = self.responses.get(response_id)
+        if resp is not None:
+            return resp
+        if response_id in self._finished:
+            raise ProtocolError(
+                ErrorCode.RESPONSE_NOT_ACTIVE,
+                f"response {response_id} has already finished",
+                event_id=event_id,
+                param="response_id",
+            )
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_RESPONSE,
+            f"no response {response_id!r} in this session",
+            event_id=event_id,
+            param="response_id",
+        )
+
+    def _item(self, item_id: str, event_id: str | None) -> dict[str, Any]:
+        item = self._items_by_id.get(item_id)
+        if item is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_ITEM,
+                f"no item {item_id!r} in the conversation",
+                event_id=event_id,
+                param="item_id",
+            )
+        return item
+
+    @staticmethod
+    def _check_tool_choice(
+        choice: Any, tools: list[dict[str, Any]], event_id: str | None, param: str
+    ) -> None:
+        names = {t["name"] for t in tools}
+        if isinstance(choice, dict | p.NamedToolChoice):
+            name = choice["name"] if isinstance(choice, dict) else choice.name
+            if name not in names:
+                raise ProtocolError(
+                    ErrorCode.INVALID_FIELD,
+                    f"tool_choice names {name!r}, which is not among the tools "
+                    f"({sorted(names) or 'none defined'})",
+                    event_id=event_id,
+                    param=param,
+                )
+        elif choice == "required" and not names:
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                'tool_choice "required" needs at least one tool',
+                event_id=event_id,
+                param=param,
+            )
+
+    def _make_item(self, fields: dict[str, Any]) -> dict[str, Any]:
+        item = {"id": fields.pop("id", None) or new_id("item"), "object": "realtime.item"}
+        item.update(fields)
+        item.setdefault("status", "completed")
+        return item
+
+    def _new_item(
+        self, raw: p.MessageItem | p.FunctionCallOutputItem, event_id: str | None
+    ) -> dict[str, Any]:
+        fields = raw.model_dump(exclude_none=True)
+        if fields.get("id") in self._items_by_id:
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_ITEM_ID,
+                f"an item {fields['id']!r} already exists",
+                event_id=event_id,
+                param="item.id",
+            )
+        return self._make_item(fields)
+
+    def _insert_item(self, item: dict[str, Any], previous_item_id: str | None) -> None:
+        if previous_item_id is None:
+            self.items.append(item)
+        else:
+            index = next(i for i, it in enumerate(self.items) if it["id"] == previous_item_id)
+            self.items.insert(index + 1, item)
+        self._items_by_id[item["id"]] = item
+
+    def _append_context(self, resp: Response, item: dict[str, Any]) -> None:
+        if resp.in_conversation:
+            self._insert_item(item, None)
+        else:
+            resp.context.append(item)
+            self._items_by_id[item["id"]] = item
+
+    def _add_output(self, resp: Response, item: dict[str, Any]) -> None:
+        self._append_context(resp, item)
+        resp.output.append(item)
+
+    def _next_request(
+        self, resp: Response, extra: list[dict[str, Any]] | None = None
+    ) -> GenerationRequest:
+        """The engine request for the response's next generation; changes nothing."""
+        params = resp.params
+        tools = None
+        if params["tools"] and resp.tool_choice != "none":
+            tools = [
+                {
+                    "type": "function",
+                    "function": {
+                        k: t[k] for k in ("name", "description", "parameters") if t.get(k)
+                    },
+                }
+                for t in params["tools"]
+            ]
+        choice = resp.tool_choice
+        if choice == "required" and not params["parallel_tool_calls"]:
+            choice = "required_single"
+        return GenerationRequest(
+            request_id=f"{resp.id}-{resp.generation + 1}",
+            messages=render_messages(params["instructions"], [*resp.context, *(extra or [])]),
+            max_output_tokens=self._remaining_tokens(resp),
+            temperature=params["temperature"],
+            ignore_eos=params["ignore_eos"],
+            tools=tools,
+            tool_choice=choice,
+        )
+
+    def _start_generation(self, resp: Response, request: GenerationRequest | None = None) -> None:
+        request = request or self._next_request(resp)
+        resp.generation += 1
+        resp.request_id = request.request_id
+        self._requests[resp.request_id] = resp.id
+        self._actions.append(StartGeneration(resp.id, request))
+
+    def _remaining_tokens(self, resp: Response) -> int | None:
+        limit = resp.params["max_output_tokens"]
+        return None if limit is None else max(limit - resp.output_tokens, 1)
+
+    def _abort_current(self, resp: Response) -> None:
+        if resp.request_id is not None:
+            self._actions.append(AbortGeneration(resp.id, resp.request_id))
+            self._requests.pop(resp.request_id, None)
+            resp.request_id = None
+
+
+def render_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Items as chat-completions messages, for the engine's chat template."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            if item["content"] or item["role"] != "assistant":
+                messages.append({"role": item["role"], "content": item["content"]})
+        elif kind == "function_call" and item["status"] == "completed":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            # Parallel calls (and text before them) make one assistant turn.
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
+    return messages

@@ -20,7 +20,7 @@ from .engines.base import Engine, EngineDelta, EngineError
 from .logs import get_logger
 from .outbox import Outbox
 from .protocol import Codec, ErrorCode, ProtocolError, decode_frame
-from .session import AbortGeneration, Session, SessionLimits, StartGeneration
+from .session import AbortGeneration, Session, SessionLimits, StartGeneration, StartTimer
 
 log = get_logger("tokenwire.transport")
 
@@ -38,17 +38,21 @@ class Connection:
             limits=SessionLimits(
                 max_active_responses=config.max_active_responses,
                 default_max_output_tokens=config.default_max_output_tokens,
+                tool_timeout_s=config.tool_timeout_s,
             ),
             info={
                 "engine": engine.name,
                 "subprotocol": self.codec.subprotocol,
                 "max_message_bytes": config.max_message_bytes,
+                # Applies when max_output_tokens is null.
+                "default_max_output_tokens": config.default_max_output_tokens,
             },
             check_request=engine.check,
         )
         self.outbox = Outbox()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._wakeup = asyncio.Event()
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # by response id
         self.log = log.bind(session_id=self.session.id)
 
     @property
@@ -71,6 +75,8 @@ class Connection:
         except ConnectionClosed as exc:
             close_reason = f"closed:{exc.rcvd.code if exc.rcvd else 'abnormal'}"
         finally:
+            for timer in self._timers.values():
+                timer.cancel()
             self.session.close()
             self._pump()
             pending = list(self.tasks.values())
@@ -101,12 +107,24 @@ class Connection:
                 task = self.tasks.pop(action.request_id, None)
                 if task is not None:
                     task.cancel()
+            elif isinstance(action, StartTimer):
+                old = self._timers.pop(action.response_id, None)
+                if old is not None:
+                    old.cancel()
+                self._timers[action.response_id] = asyncio.get_running_loop().call_later(
+                    action.delay_s, self._timeout, action.response_id, action.token
+                )
         events = self.session.events_to_send()
         if events:
             for event in events:
                 self._log_event(event)
             self.outbox.extend(events)
             self._wakeup.set()
+
+    def _timeout(self, response_id: str, token: int) -> None:
+        self._timers.pop(response_id, None)
+        self.session.receive_timeout(response_id, token)
+        self._pump()
 
     async def _generate(self, action: StartGeneration) -> None:
         rid = action.request.request_id

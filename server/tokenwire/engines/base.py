@@ -20,9 +20,20 @@ class GenerationRequest:
     ignore_eos: bool = False
     # Render the last (assistant) message as a prefix to continue, not a closed turn.
     continue_final_message: bool = False
+    # Chat-completions shape: [{"type": "function", "function": {name, description,
+    # parameters}}]. None when tool_choice is "none".
     tools: list[dict[str, Any]] | None = None
-    # JSON schema the output must follow (structured outputs), if any.
-    json_schema: dict[str, Any] | None = None
+    # "auto" | "required" | {"type": "function", "name": ...}
+    tool_choice: str | dict[str, Any] = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A chunk of the index-th tool call of one generation; `name` on its first chunk."""
+
+    index: int
+    name: str | None
+    arguments: str
 
 
 @dataclass(slots=True)
@@ -35,6 +46,7 @@ class EngineDelta:
     # Set on the first delta of a request.
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 @dataclass(slots=True)

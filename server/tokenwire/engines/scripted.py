@@ -3,6 +3,9 @@
 It is not a model. It echoes the last user message word by word ("You said:
 ..."), or with `ignore_eos` emits " t0 t1 t2 ..." up to max_output_tokens,
 at a fixed token rate, so tests and benchmarks know exactly what to expect.
+With a forced tool_choice it emits the same structured-output text a real
+model would, run through the same scanner; after tool results it answers
+"Tool said: ...".
 """
 
 from __future__ import annotations
@@ -10,26 +13,59 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from ..protocol import ErrorCode
-from .base import EngineDelta, EngineError, EngineLoad, GenerationRequest
+from .base import EngineDelta, EngineError, EngineLoad, GenerationRequest, ToolCallDelta
+from .toolcalls import ArrayCallScanner, NamedCallScanner, forced_call_text
 
 DEFAULT_CONTEXT_TOKENS = 4096
+CALL_CHUNK = 4  # characters of call JSON per "token"
 
 
 def count_tokens(text: str) -> int:
     return len(text.split())
 
 
+def _last_user_words(messages: list[dict[str, Any]]) -> list[str]:
+    last = next((m.get("content") or "" for m in reversed(messages) if m["role"] == "user"), "")
+    return last.split()
+
+
 def reply_tokens(request: GenerationRequest) -> list[str]:
-    """The whole deterministic reply, one string per token."""
+    """The whole deterministic text reply, one string per token."""
     if request.ignore_eos:
         return [f" t{i}" for i in range(request.max_output_tokens or 16)]
-    last_user = next(
-        (m.get("content") or "" for m in reversed(request.messages) if m["role"] == "user"), ""
-    )
-    words = ["You", " said:"] + [f" {w}" for w in last_user.split()]
-    return words if last_user else ["Hello!", " How", " can", " I", " help?"]
+    messages = request.messages
+    if messages and messages[-1]["role"] == "tool":
+        outputs = []
+        for m in reversed(messages):
+            if m["role"] != "tool":
+                break
+            outputs.insert(0, m["content"])
+        return ["Tool", " said:"] + [f" {w}" for w in " ".join(outputs).split()]
+    words = _last_user_words(messages)
+    if not words:
+        return ["Hello!", " How", " can", " I", " help?"]
+    return ["You", " said:"] + [f" {w}" for w in words]
+
+
+def example_arguments(schema: dict[str, Any], word: str) -> dict[str, Any]:
+    """Arguments that satisfy a simple JSON schema, built from `word`."""
+    out: dict[str, Any] = {}
+    for key, prop in (schema.get("properties") or {}).items():
+        if "enum" in prop:
+            out[key] = prop["enum"][0]
+            continue
+        out[key] = {
+            "string": word,
+            "integer": 1,
+            "number": 1,
+            "boolean": True,
+            "array": [],
+            "object": {},
+        }.get(prop.get("type", "string"), word)
+    return out
 
 
 class ScriptedEngine:
@@ -72,13 +108,29 @@ class ScriptedEngine:
             )
         return prompt_tokens
 
+    def _plan(self, request: GenerationRequest) -> tuple[list[str], Any]:
+        """The tokens to emit, and a scanner if they are a forced tool call."""
+        choice = request.tool_choice
+        if request.tools and choice != "auto":
+            tools = [t["function"] for t in request.tools]
+            word = (_last_user_words(request.messages) or ["x"])[-1].strip("?.!,")
+            if isinstance(choice, dict):
+                tool = next(t for t in tools if t["name"] == choice["name"])
+                scanner: Any = NamedCallScanner(tool["name"])
+                calls = [tool]
+            else:
+                scanner = ArrayCallScanner()
+                calls = tools[:1] if choice == "required_single" else tools
+            text = forced_call_text(
+                [(t["name"], example_arguments(t.get("parameters") or {}, word)) for t in calls],
+                named=isinstance(choice, dict),
+            )
+            return [text[i : i + CALL_CHUNK] for i in range(0, len(text), CALL_CHUNK)], scanner
+        return reply_tokens(request), None
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
         prompt_tokens = self._prompt_tokens(request)
-        tokens = reply_tokens(request)
-        if request.continue_final_message and not request.ignore_eos:
-            # Resume where the partial assistant text left off.
-            done = count_tokens(request.messages[-1].get("content") or "")
-            tokens = tokens[done:]
+        tokens, scanner = self._plan(request)
         limit = request.max_output_tokens
         finish = "stop"
         if limit is not None and len(tokens) > limit:
@@ -96,13 +148,16 @@ class ScriptedEngine:
                 # Sleep to an absolute schedule so the rate does not drift.
                 delay = start + (i + 1) * interval - time.monotonic()
                 await asyncio.sleep(delay if delay > 0 else 0)
-                last = i == len(tokens) - 1
+                calls: list[ToolCallDelta] | None = None
+                if scanner is not None:
+                    calls, tok = scanner.feed(tok), ""
                 yield EngineDelta(
                     tok,
                     1,
-                    finish if last else None,
+                    finish if i == len(tokens) - 1 else None,
                     prompt_tokens if i == 0 else None,
                     0 if i == 0 else None,
+                    calls or None,
                 )
         finally:
             self._running -= 1

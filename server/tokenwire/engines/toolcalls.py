@@ -1,0 +1,221 @@
+"""Tool calls produced under structured outputs, extracted as they stream.
+
+`required` makes the model emit a JSON array of {"name", "parameters"}
+objects (vLLM's own schema for it); a named tool_choice makes the whole output
+the arguments object. The scanner walks the raw text once, character by
+character, and hands out each call's arguments exactly as generated, so the
+deltas concatenate to valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .base import ToolCallDelta
+
+
+def forced_call_text(calls: list[tuple[str, dict[str, Any]]], named: bool) -> str:
+    """What a model emits for these calls under the structured-output schema."""
+    if named:
+        return json.dumps(calls[0][1])
+    return json.dumps([{"name": n, "parameters": a} for n, a in calls])
+
+
+class NamedCallScanner:
+    """The whole output is the arguments of one call to a known tool."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._started = False
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return []
+            self._started = True
+            return [ToolCallDelta(0, self.name, text)]
+        return [ToolCallDelta(0, None, text)] if text else []
+
+
+class ArrayCallScanner:
+    """`[{"name": ..., "parameters": {...}}, ...]`, in either key order."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+        self.index = -1
+        self.expect_key = False
+        self.key: str | None = None
+        self._string: list[str] | None = None  # a key or the name being read
+        self._string_is_key = False
+        self.capturing = False
+        self._capture_depth = 0
+        self.names: dict[int, str] = {}
+        self._unsent: dict[int, list[str]] = {}
+        self._announced: set[int] = set()
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        for ch in text:
+            self._step(ch)
+        return self._flush()
+
+    def _step(self, ch: str) -> None:
+        if self.capturing:
+            self._unsent.setdefault(self.index, []).append(ch)
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif ch == "\\":
+                self.escape = True
+            elif ch == '"':
+                self.in_string = False
+                self._end_string()
+                return
+            if self._string is not None:
+                self._string.append(ch)
+            return
+        if ch == '"':
+            self.in_string = True
+            if self.depth == 2 and not self.capturing:
+                if self.expect_key:
+                    self._string, self._string_is_key = [], True
+                elif self.key == "name":
+                    self._string, self._string_is_key = [], False
+            self._maybe_start_capture(ch)
+            return
+        if ch in " \t\r\n":
+            return
+        if ch in "{[":
+            self._maybe_start_capture(ch)
+            self.depth += 1
+            if self.depth == 2 and ch == "{":
+                self.index += 1
+                self.expect_key, self.key = True, None
+        elif ch in "}]":
+            self.depth -= 1
+            if self.capturing and self.depth == self._capture_depth:
+                self.capturing = False
+            if self.capturing and self.depth < self._capture_depth:  # scalar value ended
+                self._unsent[self.index].pop()
+                self.capturing = False
+        elif ch == ":" and self.depth == 2:
+            self.expect_key = False
+        elif ch == "," and self.depth == 2:
+            if self.capturing:  # a scalar parameters value ended
+                self._unsent[self.index].pop()
+                self.capturing = False
+            self.expect_key, self.key = True, None
+        else:
+            self._maybe_start_capture(ch)
+
+    def _maybe_start_capture(self, ch: str) -> None:
+        if (
+            not self.capturing
+            and self.depth == 2
+            and self.key == "parameters"
+            and not self.expect_key
+        ):
+            self.capturing = True
+            self._capture_depth = self.depth
+            self._unsent.setdefault(self.index, []).append(ch)
+
+    def _end_string(self) -> None:
+        if self._string is None:
+            return
+        value, self._string = "".join(self._string), None
+        if self._string_is_key:
+            self.key = value
+        else:
+            self.names[self.index] = json.loads(f'"{value}"')
+
+    def _flush(self) -> list[ToolCallDelta]:
+        out = []
+        for index, chunks in self._unsent.items():
+            name = self.names.get(index)
+            if name is None or not chunks:
+                continue  # wait until the call's name is known
+            first = index not in self._announced
+            self._announced.add(index)
+            out.append(ToolCallDelta(index, name if first else None, "".join(chunks)))
+            chunks.clear()
+        return out
+
+
+# ---------------------------------------------------------------------------
+# vLLM side (imports vllm lazily; the scripted engine never calls these)
+
+
+def _vllm_tools(tools: list[dict[str, Any]]) -> list[Any]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+
+    return [ChatCompletionToolsParam.model_validate(t) for t in tools]
+
+
+def structured_schema(
+    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any]
+) -> dict[str, Any] | None:
+    """vLLM's own structured-output schema for a forced tool choice, if any."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionNamedToolChoiceParam,
+    )
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    if tool_choice in ("auto", "none"):
+        return None
+    if isinstance(tool_choice, dict):
+        choice: Any = ChatCompletionNamedToolChoiceParam.model_validate(
+            {"type": "function", "function": {"name": tool_choice["name"]}}
+        )
+        parallel = None
+    else:
+        choice, parallel = "required", (False if tool_choice == "required_single" else None)
+    schema = get_json_schema_from_tools(choice, _vllm_tools(tools), parallel)
+    return schema if isinstance(schema, dict) else None
+
+
+def forced_scanner(tool_choice: str | dict[str, Any]) -> NamedCallScanner | ArrayCallScanner:
+    if isinstance(tool_choice, dict):
+        return NamedCallScanner(tool_choice["name"])
+    return ArrayCallScanner()
+
+
+class ParserStream:
+    """Runs a vLLM tool parser (tool_choice "auto") over a generation's deltas."""
+
+    def __init__(self, parser_name: str, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+
+        parser_cls = ToolParserManager.get_tool_parser(parser_name)
+        self.request = ChatCompletionRequest(messages=[], tools=tools, tool_choice="auto")
+        self.parser = parser_cls(tokenizer, self.request.tools)
+        self.request = self.parser.adjust_request(self.request)
+        self.text = ""
+        self.ids: list[int] = []
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        # Some parsers need their special tokens (e.g. <tool_call>) in the text.
+        return bool(self.request.skip_special_tokens)
+
+    def feed(self, text: str, token_ids: list[int]) -> tuple[str, list[ToolCallDelta]]:
+        """Split one delta into plain text and tool-call chunks."""
+        prev_text, prev_ids = self.text, self.ids
+        self.text, self.ids = prev_text + text, prev_ids + list(token_ids)
+        msg = self.parser.extract_tool_calls_streaming(
+            prev_text, self.text, text, prev_ids, self.ids, list(token_ids), self.request
+        )
+        if msg is None:
+            return "", []
+        calls = [
+            ToolCallDelta(
+                tc.index,
+                tc.function.name if tc.function else None,
+                (tc.function.arguments or "") if tc.function else "",
+            )
+            for tc in msg.tool_calls
+        ]
+        return msg.content or "", calls
