@@ -1,0 +1,291 @@
+"""Tool calls, tool outputs and steering in the session state machine (no sockets)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tokenwire.engines.base import EngineDelta, EngineError, ToolCallDelta
+from tokenwire.protocol import ErrorCode
+from tokenwire.session import (
+    AbortGeneration,
+    Session,
+    StartGeneration,
+    StartTimer,
+    render_messages,
+)
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+
+
+def send(s: Session, event: dict[str, Any]) -> list[dict[str, Any]]:
+    s.receive_client_event(event)
+    return s.events_to_send()
+
+
+def codes(events: list[dict[str, Any]]) -> list[str]:
+    return [e["error"]["code"] for e in events if e["type"] == "error"]
+
+
+def types(events: list[dict[str, Any]]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def begin(s: Session, **params: Any) -> StartGeneration:
+    send(s, {"type": "session.update", "session": {"tools": [WEATHER, TIME]}})
+    send(
+        s,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "Weather and time in Paris?"},
+        },
+    )
+    send(s, {"type": "response.create", "event_id": "c", "response": params})
+    (action,) = s.actions_to_perform()
+    assert isinstance(action, StartGeneration)
+    return action
+
+
+def call(
+    s: Session, rq: str, index: int, name: str | None, args: str, finish: str | None = None
+) -> list[dict[str, Any]]:
+    s.receive_engine_output(
+        rq, EngineDelta("", 1, finish, tool_calls=[ToolCallDelta(index, name, args)])
+    )
+    return s.events_to_send()
+
+
+def output(s: Session, call_id: str, text: str, event_id: str = "o") -> list[dict[str, Any]]:
+    return send(
+        s,
+        {
+            "type": "conversation.item.create",
+            "event_id": event_id,
+            "item": {"type": "function_call_output", "call_id": call_id, "output": text},
+        },
+    )
+
+
+@pytest.fixture
+def session() -> Session:
+    s = Session()
+    s.events_to_send()
+    return s
+
+
+def test_request_carries_tools_and_choice(session: Session) -> None:
+    action = begin(session, tool_choice={"type": "function", "name": "get_weather"})
+    req = action.request
+    assert req.tool_choice == {"type": "function", "name": "get_weather"}
+    assert [t["function"]["name"] for t in req.tools or []] == ["get_weather", "get_time"]
+
+
+def test_parallel_calls_wait_then_continue_in_any_order(session: Session) -> None:
+    action = begin(session, tool_choice="required")
+    rq = action.request.request_id
+    events = call(session, rq, 0, "get_weather", '{"city": ')
+    assert types(events) == ["response.function_call_arguments.delta"]
+    first = events[0]
+    assert first["name"] == "get_weather" and first["delta"] == '{"city": '
+    call(session, rq, 0, None, '"Paris"}')
+    call(session, rq, 1, "get_time", "{}")
+    session.receive_engine_output(rq, EngineDelta("", 0, "stop"))
+    events = session.events_to_send()
+    assert types(events) == ["response.function_call_arguments.done"] * 2 + [
+        "response.requires_action"
+    ]
+    weather, time_call = events[0], events[1]
+    assert weather["arguments"] == '{"city": "Paris"}'
+    assert events[2]["call_ids"] == [weather["call_id"], time_call["call_id"]]
+    (timer,) = session.actions_to_perform()
+    assert isinstance(timer, StartTimer) and timer.delay_s == 60.0
+    # Outputs arrive in reverse order; nothing runs until both are in.
+    created = output(session, time_call["call_id"], '{"time": "14:05"}')
+    assert types(created) == ["conversation.item.created"]
+    assert session.actions_to_perform() == []
+    output(session, weather["call_id"], '{"sky": "sunny"}')
+    (cont,) = session.actions_to_perform()
+    assert isinstance(cont, StartGeneration) and cont.response_id == action.response_id
+    # A forced choice is not forced again; the results are in the prompt.
+    assert cont.request.tool_choice == "none" and cont.request.tools is None
+    roles = [m["role"] for m in cont.request.messages]
+    assert roles == ["user", "assistant", "tool", "tool"]
+    assert len(cont.request.messages[1]["tool_calls"]) == 2
+    session.receive_engine_output(cont.request.request_id, EngineDelta("Sunny.", 2, "stop"))
+    events = session.events_to_send()
+    done = events[-1]["response"]
+    assert done["id"] == action.response_id and done["status"] == "completed"
+    assert [o["type"] for o in done["output"]] == ["function_call", "function_call", "message"]
+    assert types(events).count("response.done") == 1
+
+
+def test_auto_choice_stays_auto_after_outputs(session: Session) -> None:
+    action = begin(session)  # tool_choice defaults to auto
+    call(session, action.request.request_id, 0, "get_time", "{}", finish="stop")
+    call_id = session.items[-1]["call_id"]
+    output(session, call_id, "noon")
+    (cont,) = session.actions_to_perform()[-1:]
+    assert cont.request.tool_choice == "auto"
+
+
+def test_output_errors(session: Session) -> None:
+    assert codes(output(session, "call_nope", "x")) == ["unknown_call_id"]
+    action = begin(session, tool_choice="required")
+    call(session, action.request.request_id, 0, "get_time", "{}", finish="stop")
+    call_id = session.items[-1]["call_id"]
+    assert codes(output(session, call_id, "1")) == []
+    events = output(session, call_id, "2", event_id="again")
+    assert codes(events) == ["duplicate_call_output"]
+    assert events[0]["error"]["event_id"] == "again"
+
+
+def test_tool_timeout_ends_incomplete(session: Session) -> None:
+    send(session, {"type": "session.update", "session": {"tool_timeout_s": 0.5}})
+    action = begin(session, tool_choice="required")
+    call(session, action.request.request_id, 0, "get_time", "{}", finish="stop")
+    (timer,) = session.actions_to_perform()
+    assert timer.delay_s == 0.5
+    session.receive_timeout(action.response_id, timer.token - 1)  # a stale timer
+    assert session.events_to_send() == []
+    session.receive_timeout(action.response_id, timer.token)
+    done = session.events_to_send()[-1]["response"]
+    assert done["status"] == "incomplete"
+    assert done["status_details"]["reason"] == "tool_timeout"
+
+
+def test_timer_after_outputs_is_ignored(session: Session) -> None:
+    action = begin(session, tool_choice="required")
+    call(session, action.request.request_id, 0, "get_time", "{}", finish="stop")
+    (timer,) = session.actions_to_perform()
+    output(session, session.items[-1]["call_id"], "noon")
+    session.receive_timeout(action.response_id, timer.token)
+    assert "response.done" not in types(session.events_to_send())
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "why"),
+    [
+        ("get_weather", '{"town": "Paris"}', "schema"),
+        ("get_weather", '{"city": 5}', "schema"),
+        ("get_weather", '{"city": "Par', "JSON"),
+        ("launch_rockets", "{}", "not defined"),
+    ],
+)
+def test_bad_arguments_fail_the_response(session: Session, name: str, args: str, why: str) -> None:
+    action = begin(session, tool_choice="required")
+    events = call(session, action.request.request_id, 0, name, args, finish="stop")
+    assert codes(events) == ["invalid_tool_arguments"]
+    assert why in events[-2]["error"]["message"]
+    assert events[-2]["error"]["event_id"] == "c"
+    assert events[-1]["response"]["status"] == "failed"
+    assert "response.function_call_arguments.done" not in types(events)
+
+
+def test_steer_and_cancel_while_waiting_for_tools(session: Session) -> None:
+    action = begin(session, tool_choice="required")
+    call(session, action.request.request_id, 0, "get_time", "{}", finish="stop")
+    session.actions_to_perform()
+    assert codes(send(session, {"type": "response.steer", "input": "hurry"})) == ["invalid_state"]
+    events = send(session, {"type": "response.cancel"})
+    assert events[-1]["response"]["status"] == "cancelled"
+
+
+def test_named_choice_must_exist(session: Session) -> None:
+    events = send(
+        session,
+        {
+            "type": "response.create",
+            "event_id": "x",
+            "response": {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+        },
+    )
+    assert codes(events) == ["invalid_field"] and events[0]["error"]["param"] == (
+        "response.tool_choice"
+    )
+    events = send(session, {"type": "response.create", "response": {"tool_choice": "required"}})
+    assert codes(events) == ["invalid_field"]
+
+
+def test_steer_that_overflows_context_leaves_response_running() -> None:
+    def check(request: Any) -> None:
+        if sum(len(m["content"]) for m in request.messages) > 200:
+            raise EngineError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long")
+
+    s = Session(check_request=check)
+    send(s, {"type": "response.create", "response": {"conversation": "none"}})
+    (start,) = s.actions_to_perform()
+    s.receive_engine_output(start.request.request_id, EngineDelta("Once", 1, None, 3, 0))
+    s.events_to_send()
+    events = send(s, {"type": "response.steer", "event_id": "big", "input": "x" * 500})
+    assert codes(events) == ["context_length_exceeded"]
+    assert events[0]["error"]["event_id"] == "big"
+    assert s.actions_to_perform() == []
+    s.receive_engine_output(start.request.request_id, EngineDelta(" upon", 1, "stop"))
+    assert s.events_to_send()[-1]["response"]["status"] == "completed"
+
+
+def test_steer_drops_a_half_written_call(session: Session) -> None:
+    action = begin(session)
+    rq = action.request.request_id
+    call(session, rq, 0, "get_weather", '{"ci')
+    events = send(session, {"type": "response.steer", "input": "never mind"})
+    assert types(events) == ["response.steered"]
+    abort, restart = session.actions_to_perform()
+    assert abort == AbortGeneration(action.response_id, rq)
+    assert all(m.get("tool_calls") is None for m in restart.request.messages)
+    assert all(i["type"] != "function_call" for i in session.items)
+
+
+def test_retrieve_item(session: Session) -> None:
+    (created,) = send(
+        session,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "hello"},
+        },
+    )
+    (ev,) = send(
+        session,
+        {"type": "conversation.item.retrieve", "event_id": "r", "item_id": created["item"]["id"]},
+    )
+    assert ev["type"] == "conversation.item.retrieved" and ev["item"]["content"] == "hello"
+    assert codes(send(session, {"type": "conversation.item.retrieve", "item_id": "x"})) == [
+        "unknown_item"
+    ]
+
+
+def test_render_messages_groups_parallel_calls() -> None:
+    items = [
+        {"type": "message", "role": "user", "content": "q"},
+        {
+            "type": "function_call",
+            "call_id": "a",
+            "name": "f",
+            "arguments": "{}",
+            "status": "completed",
+        },
+        {
+            "type": "function_call",
+            "call_id": "b",
+            "name": "g",
+            "arguments": "{}",
+            "status": "completed",
+        },
+        {"type": "function_call_output", "call_id": "b", "output": "2"},
+        {"type": "function_call_output", "call_id": "a", "output": "1"},
+    ]
+    msgs = render_messages("sys", items)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "tool"]
+    assert [c["id"] for c in msgs[2]["tool_calls"]] == ["a", "b"]
+    assert json.loads(msgs[2]["tool_calls"][0]["function"]["arguments"]) == {}
