@@ -87,3 +87,29 @@ def test_merged_stream_equals_unmerged(spec: list[tuple[str, str]], merges: list
         plain_epochs = {s for i_, s in positions(plain_out) if i_ == item}
         merged_epochs = {s for i_, s in positions(merged_out) if i_ == item}
         assert merged_epochs <= plain_epochs
+
+
+@given(events)
+def test_compact_keeps_every_token_in_order(spec: list[tuple[str, str]]) -> None:
+    box = Outbox()
+    for i, (item, text) in enumerate(spec):
+        box.push(delta(item, text) if item != "other" else {"type": "x", "n": i})
+    before = list(box._queue)
+    box.compact()
+    out = []
+    while (ev := box.pop()) is not None:
+        out.append(ev)
+    assert [e["seq"] for e in out] == list(range(1, len(out) + 1))
+    for item in "abc":
+        assert "".join(e["delta"] for e in out if e.get("item_id") == item) == "".join(
+            e["delta"] for e in before if e.get("item_id") == item
+        )
+    assert [e["n"] for e in out if e["type"] == "x"] == [e["n"] for e in before if e["type"] == "x"]
+    # At most one delta per item between two other events.
+    run: list[str] = []
+    for e in out:
+        if e["type"] == "x":
+            run = []
+        else:
+            assert e["item_id"] not in run
+            run.append(e["item_id"])

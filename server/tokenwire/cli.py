@@ -24,6 +24,12 @@ _HELP = {
     "tool_timeout_s": "how long a response waits for tool outputs before ending incomplete",
     "tool_parser": "vLLM tool parser for tool_choice auto (e.g. hermes); default: none",
     "ping_interval_s": "WebSocket keepalive ping interval, seconds",
+    "outbound_high_water": "bytes waiting for a client above which deltas are merged",
+    "outbound_hard_cap": "bytes waiting for a client above which its generation pauses",
+    "stall_s": "seconds a client may block the writer before its generation pauses",
+    "slow_client_timeout_s": "seconds a client may block the writer before it is closed (4008)",
+    "max_inbound_frames": "client frames queued before the server stops reading the socket",
+    "sndbuf": "SO_SNDBUF of client sockets in bytes (0: OS default)",
     "log_content": "log message text (off by default: logs never hold user data)",
     "log_level": "debug, info, warning or error",
 }

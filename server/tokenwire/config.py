@@ -25,6 +25,13 @@ class ServerConfig:
     # vLLM tool parser for tool_choice "auto" (e.g. hermes); none: auto gives text.
     tool_parser: str | None = None
     ping_interval_s: float = 20.0
+    # Backpressure (bytes waiting for the client = socket write buffer + queue).
+    outbound_high_water: int = 64 * 1024  # above it, pending deltas are merged
+    outbound_hard_cap: int = 256 * 1024  # above it, generation pauses, reading stops
+    stall_s: float = 5.0  # writer blocked this long: pause generation too
+    slow_client_timeout_s: float = 30.0  # blocked this long: close with 4008
+    max_inbound_frames: int = 4  # frames queued from the client before reading pauses
+    sndbuf: int = 0  # SO_SNDBUF for client sockets; 0 keeps the OS default
     log_content: bool = False  # log message text; off so logs never hold user data
     log_level: str = "info"
 

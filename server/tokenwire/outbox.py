@@ -19,25 +19,54 @@ class Outbox:
         self._queue: deque[dict[str, Any]] = deque()
         self.next_seq = first_seq
         self.merged = 0  # deltas absorbed into others, for metrics
+        # Estimated encoded size of what is queued; the accounting needs it
+        # before encoding, which waits for seq.
+        self.pending_bytes = 0
 
     def __len__(self) -> int:
         return len(self._queue)
 
     def push(self, event: dict[str, Any]) -> None:
         self._queue.append(event)
+        self.pending_bytes += estimate_size(event)
 
     def extend(self, events: list[dict[str, Any]]) -> None:
-        self._queue.extend(events)
+        for event in events:
+            self.push(event)
+
+    def clear(self) -> None:
+        self._queue.clear()
+        self.pending_bytes = 0
 
     def pop(self, *, merge: bool = False) -> dict[str, Any] | None:
         if not self._queue:
             return None
         event = self._queue.popleft()
+        self.pending_bytes -= estimate_size(event)
         if merge and event["type"] == DELTA and self._queue:
             event = self._absorb(event)
         event["seq"] = self.next_seq
         self.next_seq += 1
         return event
+
+    def compact(self) -> None:
+        """Merge every mergeable delta now (same rules as pop(merge=True)), so a
+        backlog held for a slow client costs its text, not an object per token."""
+        out: deque[dict[str, Any]] = deque()
+        segment: dict[str, dict[str, Any]] = {}  # item_id -> merged delta, in order
+        for event in self._queue:
+            if event["type"] != DELTA:
+                out.extend(segment.values())
+                segment.clear()
+                out.append(event)
+            elif (held := segment.get(event["item_id"])) is None:
+                segment[event["item_id"]] = event
+            else:
+                segment[event["item_id"]] = {**held, "delta": held["delta"] + event["delta"]}
+                self.merged += 1
+        out.extend(segment.values())
+        self._queue = out
+        self.pending_bytes = sum(estimate_size(e) for e in out)
 
     def _absorb(self, event: dict[str, Any]) -> dict[str, Any]:
         key = event["item_id"]
@@ -50,6 +79,7 @@ class Outbox:
                 break
             queue.popleft()
             if nxt["item_id"] == key:
+                self.pending_bytes -= estimate_size(nxt)
                 parts.append(nxt["delta"])
             else:
                 kept.append(nxt)
@@ -58,3 +88,13 @@ class Outbox:
             self.merged += len(parts) - 1
             event = {**event, "delta": "".join(parts)}
         return event
+
+
+# Bytes a delta event costs beyond its text, encoded (type, ids, seq).
+DELTA_OVERHEAD = 120
+
+
+def estimate_size(event: dict[str, Any]) -> int:
+    if event["type"] == DELTA:
+        return len(event["delta"].encode()) + DELTA_OVERHEAD
+    return len(repr(event))  # rare and small, except response.done with its output

@@ -8,6 +8,7 @@ import json
 import signal
 from collections.abc import Sequence
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -25,16 +26,50 @@ log = get_logger("tokenwire.server")
 REALTIME_PATH = "/v1/realtime"
 
 
+PACKAGE_DIR = Path(__file__).resolve().parent
+STATIC_DIR = PACKAGE_DIR / "static"
+# The JS client's sources, served to the demo page with no build step.
+CLIENT_JS_DIR = PACKAGE_DIR.parent.parent / "client_js"
+MOUNTS = {
+    "/static/": STATIC_DIR,
+    "/client/": CLIENT_JS_DIR / "src",
+    "/vendor/msgpack/": CLIENT_JS_DIR / "node_modules" / "@msgpack" / "msgpack" / "dist.esm",
+}
+CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+    ".ts": "text/plain; charset=utf-8",
+    ".map": "application/json",
+}
+
+
 def json_response(status: HTTPStatus, body: dict[str, Any]) -> Response:
-    data = json.dumps(body).encode()
+    return http_response(status, json.dumps(body).encode(), "application/json")
+
+
+def http_response(status: HTTPStatus, data: bytes, content_type: str) -> Response:
     headers = Headers(
         [
-            ("Content-Type", "application/json"),
+            ("Content-Type", content_type),
             ("Content-Length", str(len(data))),
             ("Cache-Control", "no-store"),
+            ("X-Content-Type-Options", "nosniff"),
         ]
     )
     return Response(status.value, status.phrase, headers, data)
+
+
+def static_file(root: Path, relative: str) -> Response | None:
+    """A file under `root`, never outside it."""
+    target = (root / relative).resolve()
+    if not target.is_relative_to(root.resolve()) or not target.is_file():
+        return None
+    kind = CONTENT_TYPES.get(target.suffix, "application/octet-stream")
+    return http_response(HTTPStatus.OK, target.read_bytes(), kind)
 
 
 class TokenwireServer:
@@ -54,6 +89,8 @@ class TokenwireServer:
             "engine": self.engine.name,
             "ready": self.engine.ready,
             "connections": len(self.connections),
+            "paused_connections": sum(c.paused for c in self.connections),
+            "outbound_buffered_bytes": sum(c.buffered_amount for c in self.connections),
             "engine_load": {"running": load.running, "waiting": load.waiting, **load.extra},
         }
 
@@ -70,6 +107,14 @@ class TokenwireServer:
             if failure:
                 body["error"] = failure
             return json_response(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE, body)
+        found = None
+        if path == "/":
+            found = static_file(STATIC_DIR, "index.html")
+        for prefix, root in MOUNTS.items():
+            if path.startswith(prefix):
+                found = static_file(root, path[len(prefix) :])
+        if found is not None:
+            return found
         return json_response(
             HTTPStatus.NOT_FOUND,
             {"error": f"no route {path!r}; the WebSocket endpoint is {REALTIME_PATH}"},
@@ -108,6 +153,11 @@ class TokenwireServer:
             compression=None,  # per-message deflate costs CPU per token and memory per socket
             ping_interval=self.config.ping_interval_s,
             ping_timeout=self.config.ping_interval_s,
+            # Inbound frames queued before websockets stops reading the socket.
+            max_queue=self.config.max_inbound_frames,
+            # A client that does not answer our close frame (often one that
+            # stopped reading) is dropped after this long.
+            close_timeout=2,
         )
         log.info(
             "listening",

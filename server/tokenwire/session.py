@@ -16,7 +16,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jsonschema
@@ -91,6 +91,11 @@ class Response:
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # this generation's
     pending_calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # call_id -> item
     request_id: str | None = None
+    # The current generation's request and the token ids it has produced:
+    # what a paused response resubmits.
+    gen_request: GenerationRequest | None = None
+    gen_token_ids: list[int] = field(default_factory=list)
+    paused: bool = False
     generation: int = 0
     wait_token: int = 0
     input_tokens: int = 0
@@ -399,6 +404,8 @@ class Session:
             resp.input_tokens += delta.prompt_tokens
             resp.cached_tokens += delta.cached_tokens or 0
         resp.output_tokens += delta.output_tokens
+        if delta.token_ids:
+            resp.gen_token_ids.extend(delta.token_ids)
         if (delta.text or delta.tool_calls) and resp.first_token_at is None:
             resp.first_token_at = self.clock()
         if delta.text:
@@ -423,6 +430,38 @@ class Session:
         if resp is None or resp.status != "requires_action" or resp.wait_token != token:
             return  # outputs arrived, or the response ended, before the timer fired
         self._finish(resp, "incomplete", {"type": "incomplete", "reason": "tool_timeout"})
+
+    def pause(self) -> list[str]:
+        """The client is too far behind: free the engine slots of its text
+        generations. Returns the ids of the responses paused."""
+        paused = []
+        for resp in self.active_responses:
+            req = resp.gen_request
+            # Tool-call generations are short and their parsers keep state; leave them.
+            if resp.request_id is None or req is None or req.tools is not None:
+                continue
+            self._abort_current(resp)
+            resp.paused = True
+            paused.append(resp.id)
+        return paused
+
+    def resume(self) -> list[str]:
+        """The client drained: continue paused generations after their tokens."""
+        resumed = []
+        for resp in self.active_responses:
+            if not resp.paused:
+                continue
+            resp.paused = False
+            assert resp.gen_request is not None
+            request = replace(
+                resp.gen_request,
+                request_id=f"{resp.id}-{resp.generation + 1}",
+                max_output_tokens=self._remaining_tokens(resp),
+                resume_token_ids=tuple(resp.gen_token_ids),
+            )
+            self._start_generation(resp, request, fresh=False)
+            resumed.append(resp.id)
+        return resumed
 
     def close(self) -> None:
         """The client went away: stop every generation it owns."""
@@ -774,8 +813,13 @@ class Session:
             tool_choice=choice,
         )
 
-    def _start_generation(self, resp: Response, request: GenerationRequest | None = None) -> None:
+    def _start_generation(
+        self, resp: Response, request: GenerationRequest | None = None, fresh: bool = True
+    ) -> None:
         request = request or self._next_request(resp)
+        if fresh:
+            resp.gen_request, resp.gen_token_ids = request, []
+        resp.paused = False
         resp.generation += 1
         resp.request_id = request.request_id
         self._requests[resp.request_id] = resp.id

@@ -1,31 +1,33 @@
 """The asyncio layer around one WebSocket connection.
 
-It owns the socket and the tasks; the `Session` decides and the `Outbox`
-numbers and merges. A writer task drains the outbox; it merges deltas
-whenever bytes are already waiting in the socket's buffer, which is the
-bufferedAmount-style accounting the server does for each connection.
+It owns the socket, the tasks and the timers; the `Session` decides and the
+`Outbox` numbers and merges. Backpressure works like the browser's
+bufferedAmount: `buffered_amount` is the socket's write buffer plus the
+outbox. Above the high-water mark deltas are merged; above the hard cap (or
+when the writer has been blocked for `stall_s`) the session's generations
+pause, freeing their engine slots, and the server stops reading from the
+client; once the outbox drains they resume. A client blocked for
+`slow_client_timeout_s` is closed with 4008.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
 from .config import ServerConfig
 from .engines.base import Engine, EngineDelta, EngineError
 from .logs import get_logger
 from .outbox import Outbox
-from .protocol import Codec, ErrorCode, ProtocolError, decode_frame
+from .protocol import CLOSE_SLOW_CLIENT, Codec, ErrorCode, ProtocolError, decode_frame
 from .session import AbortGeneration, Session, SessionLimits, StartGeneration, StartTimer
 
 log = get_logger("tokenwire.transport")
-
-# Bytes in the socket's write buffer above which pending deltas are merged.
-MERGE_HIGH_WATER = 16 * 1024
 
 
 class Connection:
@@ -52,15 +54,25 @@ class Connection:
         self.outbox = Outbox()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._wakeup = asyncio.Event()
-        self._timers: dict[str, asyncio.TimerHandle] = {}  # by response id
+        self._drained = asyncio.Event()  # set while below the hard cap
+        self._drained.set()
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # tool timeouts, by response id
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._slow_timer: asyncio.TimerHandle | None = None
+        self.paused = False
+        self.closed_for: str | None = None
         self.log = log.bind(session_id=self.session.id)
+        if config.sndbuf and ws.transport is not None:
+            sock = ws.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.sndbuf)
 
     @property
     def buffered_amount(self) -> int:
-        """Bytes waiting for the client: socket write buffer (frames not yet queued
-        are counted by the outbox length)."""
+        """Bytes waiting for the client: the socket's write buffer plus our queue."""
         transport = self.ws.transport
-        return transport.get_write_buffer_size() if transport is not None else 0
+        sent = transport.get_write_buffer_size() if transport is not None else 0
+        return sent + self.outbox.pending_bytes
 
     async def run(self) -> None:
         self.log.info(
@@ -72,11 +84,14 @@ class Connection:
         try:
             async for frame in self.ws:
                 self._receive(frame)
+                if not self._drained.is_set():
+                    # Upstream backpressure: read nothing more until the client
+                    # reads what it asked for (TCP then slows the sender).
+                    await self._unless_closed(self._drained.wait())
         except ConnectionClosed as exc:
             close_reason = f"closed:{exc.rcvd.code if exc.rcvd else 'abnormal'}"
         finally:
-            for timer in self._timers.values():
-                timer.cancel()
+            self._cancel_timers()
             self.session.close()
             self._pump()
             pending = list(self.tasks.values())
@@ -86,6 +101,7 @@ class Connection:
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
+            self.outbox.clear()
             self.log.info("session_closed", reason=close_reason)
 
     def _receive(self, frame: str | bytes) -> None:
@@ -120,6 +136,129 @@ class Connection:
                 self._log_event(event)
             self.outbox.extend(events)
             self._wakeup.set()
+            buffered = self.buffered_amount
+            if buffered > self.config.outbound_high_water:
+                self._arm_clocks()
+                if buffered > self.config.outbound_hard_cap:
+                    self._fall_behind("hard_cap")
+
+    # -- backpressure --------------------------------------------------------
+
+    def _arm_clocks(self) -> None:
+        """The client is behind: from now on it has stall_s, then slow_client_timeout_s."""
+        if self._stall_timer is None and self._slow_timer is None:
+            loop = asyncio.get_running_loop()
+            self._stall_timer = loop.call_later(self.config.stall_s, self._on_stall)
+            self._slow_timer = loop.call_later(
+                self.config.slow_client_timeout_s, self._on_slow_client
+            )
+
+    def _fall_behind(self, why: str) -> None:
+        self._drained.clear()
+        self.outbox.compact()
+        paused = self.session.pause()
+        self._pump()
+        if paused:
+            self.paused = True
+            self.log.info(
+                "generation_paused", reason=why, response_ids=paused, buffered=self.buffered_amount
+            )
+
+    def _on_stall(self) -> None:
+        self._stall_timer = None
+        self._fall_behind("stall")
+
+    def _on_slow_client(self) -> None:
+        self._slow_timer = None
+        self.log.warning("slow_client_closed", buffered=self.buffered_amount)
+        # Free what it holds now; the close frame may never be read.
+        self.outbox.clear()
+        self.session.close()
+        self._pump()
+        asyncio.get_running_loop().create_task(self._close_slow())
+
+    async def _close_slow(self) -> None:
+        self.closed_for = "slow_client"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ws.close(CLOSE_SLOW_CLIENT, "client is not reading"), 1)
+        if self.ws.transport is not None:
+            self.ws.transport.abort()
+
+    def _caught_up(self) -> None:
+        """The writer emptied the queue and the socket accepted it all."""
+        for timer in (self._stall_timer, self._slow_timer):
+            if timer is not None:
+                timer.cancel()
+        self._stall_timer = self._slow_timer = None
+        self._drained.set()
+        if self.paused:
+            self.paused = False
+            resumed = self.session.resume()
+            self.log.info("generation_resumed", response_ids=resumed)
+            self._pump()
+
+    async def _wait_socket_below(self, low: int) -> None:
+        """Wait, without polling, until the socket's write buffer is at most `low`."""
+        transport = self.ws.transport
+        if transport is None or transport.get_write_buffer_size() <= low:
+            return
+        # Lowering the transport's limits pauses the protocol now and resumes
+        # it once the buffer falls to `low`; websockets' drain() waits for that.
+        limits = transport.get_write_buffer_limits()  # (low, high)
+        transport.set_write_buffer_limits(high=low, low=low)
+        try:
+            await self._unless_closed(self.ws.drain())
+        finally:
+            if not transport.is_closing():
+                transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+
+    async def _unless_closed(self, awaitable: Any) -> None:
+        """Await `awaitable`, but stop waiting if the connection goes away."""
+        waiter = asyncio.ensure_future(awaitable)
+        closed = asyncio.ensure_future(self.ws.wait_closed())
+        try:
+            await asyncio.wait({waiter, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            closed.cancel()
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+            raise ConnectionClosedError(None, None) from waiter.exception()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._stall_timer, self._slow_timer, *self._timers.values()):
+            if timer is not None:
+                timer.cancel()
+        self._timers.clear()
+
+    async def _write_loop(self) -> None:
+        high_water = self.config.outbound_high_water
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                while True:
+                    behind = self.buffered_amount > high_water
+                    event = self.outbox.pop(merge=behind)
+                    if event is None:
+                        break
+                    if behind:
+                        self._arm_clocks()  # the send below may block on a slow reader
+                    await self.ws.send(self.codec.encode(event))
+                if self._stall_timer or self._slow_timer or not self._drained.is_set():
+                    # The queue is empty, but the socket may still hold what
+                    # the client has not read: wait until it has.
+                    await self._wait_socket_below(high_water // 2)
+                    if len(self.outbox):
+                        self._wakeup.set()  # events queued meanwhile: send them first
+                        continue
+                    self._caught_up()
+        except (ConnectionClosed, OSError):
+            pass
+        finally:
+            # Never leave the reader waiting on a connection that is gone.
+            self._drained.set()
+
+    # -- engine and timers ---------------------------------------------------
 
     def _timeout(self, response_id: str, token: int) -> None:
         self._timers.pop(response_id, None)
@@ -146,19 +285,6 @@ class Connection:
         finally:
             self.tasks.pop(rid, None)
         self._pump()
-
-    async def _write_loop(self) -> None:
-        try:
-            while True:
-                await self._wakeup.wait()
-                self._wakeup.clear()
-                while True:
-                    event = self.outbox.pop(merge=self.buffered_amount > MERGE_HIGH_WATER)
-                    if event is None:
-                        break
-                    await self.ws.send(self.codec.encode(event))
-        except ConnectionClosed:
-            pass
 
     def _log_event(self, event: dict[str, Any]) -> None:
         kind = event["type"]

@@ -25,6 +25,9 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None
     # "auto" | "required" | {"type": "function", "name": ...}
     tool_choice: str | dict[str, Any] = "auto"
+    # Tokens this generation already produced before a pause: the engine
+    # appends them to the prompt and continues after them (prefix-cache hit).
+    resume_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,8 @@ class EngineDelta:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    # The engine's ids for this delta's tokens; what a resume resubmits.
+    token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ..protocol import ErrorCode
@@ -32,10 +32,27 @@ def _last_user_words(messages: list[dict[str, Any]]) -> list[str]:
     return last.split()
 
 
-def reply_tokens(request: GenerationRequest) -> list[str]:
+class CountingTokens(Sequence[str]):
+    """ " t0", " t1", ...: made on demand, as max_output_tokens may be huge."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]  # Sequence's overloads
+        if isinstance(i, slice):
+            return CountingTokens(len(range(self.n)[i]))  # only prefixes are sliced
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return f" t{i}"
+
+
+def reply_tokens(request: GenerationRequest) -> Sequence[str]:
     """The whole deterministic text reply, one string per token."""
     if request.ignore_eos:
-        return [f" t{i}" for i in range(request.max_output_tokens or 16)]
+        return CountingTokens((request.max_output_tokens or 16) + len(request.resume_token_ids))
     messages = request.messages
     if messages and messages[-1]["role"] == "tool":
         outputs = []
@@ -108,7 +125,7 @@ class ScriptedEngine:
             )
         return prompt_tokens
 
-    def _plan(self, request: GenerationRequest) -> tuple[list[str], Any]:
+    def _plan(self, request: GenerationRequest) -> tuple[Sequence[str], Any]:
         """The tokens to emit, and a scanner if they are a forced tool call."""
         choice = request.tool_choice
         if request.tools and choice != "auto":
@@ -131,7 +148,9 @@ class ScriptedEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
         prompt_tokens = self._prompt_tokens(request)
         tokens, scanner = self._plan(request)
-        limit = request.max_output_tokens
+        # A resumed generation continues after the tokens it already produced.
+        skip = len(request.resume_token_ids)
+        limit = None if request.max_output_tokens is None else request.max_output_tokens + skip
         finish = "stop"
         if limit is not None and len(tokens) > limit:
             tokens, finish = tokens[:limit], "length"
@@ -141,12 +160,13 @@ class ScriptedEngine:
         start = time.monotonic()
         self._running += 1
         try:
-            if not tokens:
+            if len(tokens) <= skip:
                 yield EngineDelta("", 0, finish, prompt_tokens, 0)
                 return
-            for i, tok in enumerate(tokens):
+            for i in range(skip, len(tokens)):
+                tok = tokens[i]
                 # Sleep to an absolute schedule so the rate does not drift.
-                delay = start + (i + 1) * interval - time.monotonic()
+                delay = start + (i + 1 - skip) * interval - time.monotonic()
                 await asyncio.sleep(delay if delay > 0 else 0)
                 calls: list[ToolCallDelta] | None = None
                 if scanner is not None:
@@ -155,9 +175,10 @@ class ScriptedEngine:
                     tok,
                     1,
                     finish if i == len(tokens) - 1 else None,
-                    prompt_tokens if i == 0 else None,
-                    0 if i == 0 else None,
+                    prompt_tokens if i == skip else None,
+                    0 if i == skip else None,
                     calls or None,
+                    [i],
                 )
         finally:
             self._running -= 1

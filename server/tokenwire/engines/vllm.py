@@ -204,6 +204,8 @@ class VllmEngine:
 
         if ids is None:
             ids = self._checked_ids(request)
+        if request.resume_token_ids:
+            ids = [*ids, *request.resume_token_ids]
         room = (self._max_len or 0) - len(ids)
         max_tokens = (
             room if request.max_output_tokens is None else min(request.max_output_tokens, room)
@@ -239,6 +241,7 @@ class VllmEngine:
                 prompt_tokens=len(ids) if first else None,
                 cached_tokens=(out.num_cached_tokens or 0) if first else None,
                 tool_calls=calls or None,
+                token_ids=list(completion.token_ids),
             )
             first = False
 

@@ -1,0 +1,853 @@
+// tokenwire JavaScript client: ESM, for browsers (no build step) and Node 20+.
+//
+//   import { connect } from "tokenwire";
+//   const session = await connect("ws://127.0.0.1:8765/v1/realtime");
+//   await session.addMessage("hello");
+//   const r = session.createResponse({ max_output_tokens: 64 });
+//   for await (const delta of r.text()) process.stdout.write(delta);
+//   console.log((await r.done()).status);
+//
+// The wire contract is docs/protocol.md. Types are in index.d.ts.
+
+// @msgpack/msgpack is loaded on first use, so a JSON-only client (e.g. a page
+// without an import map for it) never needs it.
+let msgpack = null;
+async function loadMsgpack() {
+  msgpack ??= await import("@msgpack/msgpack");
+  return msgpack;
+}
+
+export const SUBPROTOCOL_MSGPACK = "tokenwire.v1.msgpack";
+export const SUBPROTOCOL_JSON = "tokenwire.v1.json";
+/** Prefix of the subprotocol entry that carries an API key (browsers cannot set headers). */
+export const AUTH_SUBPROTOCOL_PREFIX = "tokenwire.auth.";
+
+export const DEFAULT_RECONNECT = Object.freeze({
+  initialDelayMs: 250,
+  maxDelayMs: 10_000,
+  maxAttempts: 10,
+});
+export const DEFAULT_BACKPRESSURE = Object.freeze({
+  // A frame at least this big is a "large item": it waits for the socket to drain.
+  largeFrameBytes: 16 * 1024,
+  // ...while ws.bufferedAmount is above this many bytes.
+  highWaterMark: 64 * 1024,
+  pollIntervalMs: 5,
+});
+
+const OPEN = 1;
+const TERMINAL = "response.done";
+const IS_NODE = typeof process !== "undefined" && !!process.versions?.node && typeof window === "undefined";
+
+/** An `error` event from the server (or a client-side failure), with a stable `code`. */
+export class TokenwireError extends Error {
+  /**
+   * @param {{code?: string, message?: string, type?: string, event_id?: string, param?: string}} error
+   */
+  constructor(error) {
+    super(`${error.code}: ${error.message}`);
+    this.name = "TokenwireError";
+    this.error = error;
+    this.code = error.code ?? "";
+    this.param = error.param;
+  }
+}
+
+function clientError(code, message) {
+  return new TokenwireError({ type: "client_error", code, message });
+}
+
+/**
+ * Delay before reconnect attempt `attempt` (0-based): exponential backoff with
+ * full jitter, `random() * min(maxDelayMs, initialDelayMs * 2**attempt)`.
+ * @param {number} attempt
+ * @param {{initialDelayMs?: number, maxDelayMs?: number, random?: () => number}} [opts]
+ */
+export function backoffDelay(attempt, opts = {}) {
+  const initial = opts.initialDelayMs ?? DEFAULT_RECONNECT.initialDelayMs;
+  const max = opts.maxDelayMs ?? DEFAULT_RECONNECT.maxDelayMs;
+  const random = opts.random ?? Math.random;
+  const cap = Math.min(max, initial * 2 ** attempt);
+  return Math.floor(random() * cap);
+}
+
+/**
+ * The subprotocol list a client offers: the wire format first, then the API
+ * key entry when the key cannot travel in an Authorization header.
+ * @param {"msgpack"|"json"} protocol
+ * @param {{apiKey?: string, keyInSubprotocol?: boolean}} [opts]
+ */
+export function subprotocols(protocol, opts = {}) {
+  if (protocol !== "msgpack" && protocol !== "json") {
+    throw new TypeError(`protocol must be "msgpack" or "json", got ${JSON.stringify(protocol)}`);
+  }
+  const list = [protocol === "msgpack" ? SUBPROTOCOL_MSGPACK : SUBPROTOCOL_JSON];
+  if (opts.apiKey && opts.keyInSubprotocol) list.push(AUTH_SUBPROTOCOL_PREFIX + opts.apiKey);
+  return list;
+}
+
+/** Code points in a string: what `text_end` counts (not UTF-16 units). */
+export function codePointLength(text) {
+  let n = 0;
+  for (const _ of text) n++;
+  return n;
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+function deferred() {
+  let resolve, reject;
+  const promise = new Promise((res, rej) => {
+    resolve = res;
+    reject = rej;
+  });
+  return { promise, resolve, reject, settled: false };
+}
+
+function settle(d, ok, value) {
+  if (d.settled) return;
+  d.settled = true;
+  if (ok) d.resolve(value);
+  else d.reject(value);
+}
+
+// ---------------------------------------------------------------------------
+// WebSocket selection
+
+let wsModule = null;
+
+async function pickWebSocket(options, wantHeaders) {
+  if (options.WebSocket) return { WebSocketImpl: options.WebSocket, headers: !!options.headersSupported };
+  if (IS_NODE) {
+    // `ws` sends headers (Authorization) and is there on every Node 20.
+    try {
+      wsModule ??= (await import("ws")).default;
+      return { WebSocketImpl: wsModule, headers: true };
+    } catch (err) {
+      if (typeof globalThis.WebSocket !== "function" || wantHeaders) throw err;
+    }
+  }
+  if (typeof globalThis.WebSocket !== "function") {
+    throw new Error("no WebSocket implementation: install `ws` or pass options.WebSocket");
+  }
+  return { WebSocketImpl: globalThis.WebSocket, headers: false };
+}
+
+// ---------------------------------------------------------------------------
+// Response
+
+/**
+ * One response. Iterate it for its events (up to and including
+ * `response.done`), iterate `text()` for text deltas, or await `text()` /
+ * `done()` for the result. Several iterators may read it, from the start.
+ */
+export class Response {
+  /** @param {Session} session @param {object} params */
+  constructor(session, params) {
+    this.session = session;
+    this.params = params;
+    /** @type {string|null} */
+    this.id = null;
+    /** @type {string|null} event_id of the response.create */
+    this.eventId = null;
+    /** Every event of this response so far, in order. */
+    this.events = [];
+    /** @type {object|null} the `response` of response.done */
+    this.result = null;
+    this._status = "pending";
+    this._created = deferred();
+    this._done = deferred();
+    this._error = null;
+    this._waiters = new Set();
+    this._items = new Map(); // item_id -> text so far
+    // Consumers may never await these; don't report unhandled rejections.
+    this._created.promise.catch(() => {});
+    this._done.promise.catch(() => {});
+  }
+
+  /** pending (not yet created), in_progress, requires_action, or the final status. */
+  get status() {
+    return this._status;
+  }
+
+  /** Resolves with the `response` object of response.created. */
+  get created() {
+    return this._created.promise;
+  }
+
+  /** The `response` object of response.done. Rejects if the response could not be created or the connection was lost. */
+  done() {
+    return this._done.promise;
+  }
+
+  /** All assistant text received so far (every item, in order). */
+  get textSoFar() {
+    return [...this._items.values()].join("");
+  }
+
+  /**
+   * The text: `await r.text()` gives the full output text once done;
+   * `for await (const delta of r.text())` gives the deltas as they come.
+   */
+  text() {
+    const response = this;
+    return {
+      then(onFulfilled, onRejected) {
+        return response
+          .done()
+          .then(
+            (result) =>
+              result.output
+                .filter((item) => item.type === "message")
+                .map((item) => item.content ?? "")
+                .join(""),
+          )
+          .then(onFulfilled, onRejected);
+      },
+      async *[Symbol.asyncIterator]() {
+        for await (const ev of response) {
+          if (ev.type === "response.output_text.delta") yield ev.delta;
+        }
+      },
+    };
+  }
+
+  async *[Symbol.asyncIterator]() {
+    let index = 0;
+    while (true) {
+      while (index < this.events.length) {
+        const ev = this.events[index++];
+        yield ev;
+        if (ev.type === TERMINAL) return;
+      }
+      if (this._error) throw this._error;
+      await new Promise((resolve) => this._waiters.add(resolve));
+    }
+  }
+
+  /**
+   * Stop the response; resolves with its final `response` (status cancelled,
+   * or whatever it ended with if it had already finished).
+   */
+  async cancel() {
+    await this.created;
+    if (!this.result) {
+      try {
+        await this.session._requestUntil(
+          { type: "response.cancel", response_id: this.id },
+          this.done(),
+        );
+      } catch (err) {
+        // It finished meanwhile; not the caller's problem.
+        if (!(err instanceof TokenwireError && err.code === "response_not_active")) throw err;
+      }
+    }
+    return this.done();
+  }
+
+  /** Add user input into the running response; resolves with `response.steered`. */
+  async steer(input) {
+    await this.created;
+    return this.session.request({ type: "response.steer", response_id: this.id, input });
+  }
+
+  /**
+   * Voice barge-in: cancel, then truncate the conversation at what the user
+   * heard, so the history keeps only that. `heard` is the heard text itself, or
+   * its length in code points, counted over the response's whole output text.
+   * Resolves with the final `response` and the truncations made.
+   * @param {string|number} heard
+   */
+  async bargeIn(heard) {
+    const result = await this.cancel();
+    let left = typeof heard === "number" ? heard : codePointLength(heard);
+    const truncated = [];
+    if (result.conversation === "none") return { response: result, truncated };
+    for (const item of result.output) {
+      if (item.type !== "message" || item.role !== "assistant") continue;
+      const length = codePointLength(item.content ?? "");
+      const keep = Math.max(0, Math.min(left, length));
+      left -= keep;
+      // Empty items (e.g. closed by a steer before any token) are not in the prompt.
+      if (keep < length) {
+        await this.session.truncate(item.id, keep);
+        truncated.push({ item_id: item.id, text_end: keep });
+      }
+    }
+    return { response: result, truncated };
+  }
+
+  /** Send a tool result for one of this response's calls (when no handler answered it). */
+  submitToolOutput(callId, output) {
+    return this.session.submitToolOutput(callId, output);
+  }
+
+  // -- fed by the session --------------------------------------------------
+
+  _bind(created) {
+    this.id = created.response.id;
+    this._status = created.response.status;
+    this._push(created);
+    settle(this._created, true, created.response);
+  }
+
+  _push(ev) {
+    this.events.push(ev);
+    switch (ev.type) {
+      case "response.output_text.delta":
+        this._items.set(ev.item_id, (this._items.get(ev.item_id) ?? "") + ev.delta);
+        break;
+      case "response.output_text.done":
+        this._items.set(ev.item_id, ev.text);
+        break;
+      case "response.requires_action":
+        this._status = "requires_action";
+        break;
+      case "response.function_call_arguments.delta":
+      case "response.steered":
+        this._status = "in_progress";
+        break;
+      case TERMINAL:
+        this.result = ev.response;
+        this._status = ev.response.status;
+        settle(this._done, true, ev.response);
+        break;
+    }
+    this._wake();
+  }
+
+  _fail(err) {
+    if (this.result) return;
+    this._error = err;
+    if (this._status === "pending") this._status = "failed";
+    settle(this._created, false, err);
+    settle(this._done, false, err);
+    this._wake();
+  }
+
+  _wake() {
+    const waiters = [...this._waiters];
+    this._waiters.clear();
+    for (const w of waiters) w();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Session
+
+/**
+ * One tokenwire session over one WebSocket (or several, across reconnects).
+ * Create it with `connect()`.
+ */
+export class Session {
+  constructor(url, options = {}) {
+    this.url = url;
+    this.options = options;
+    this.protocol = options.protocol ?? "msgpack";
+    subprotocols(this.protocol); // validates
+    this.reconnectOptions =
+      options.reconnect === false ? null : { ...DEFAULT_RECONNECT, ...(options.reconnect === true ? {} : options.reconnect) };
+    this.backpressure = { ...DEFAULT_BACKPRESSURE, ...options.backpressure };
+    /** Tool name -> async (args, call) => result. Results that are not strings are JSON-encoded. */
+    this.tools = { ...options.tools };
+    /** @type {object|null} the session object from session.created / session.updated */
+    this.session = null;
+    /** @type {string|null} */
+    this.id = null;
+    /** seq of the last server event received. */
+    this.lastSeq = 0;
+    /** connecting | open | reconnecting | closed */
+    this.state = "connecting";
+    /** The negotiated subprotocol, e.g. "tokenwire.v1.msgpack". */
+    this.subprotocol = null;
+    /** @type {any} the current WebSocket */
+    this.ws = null;
+    this._nextId = 1;
+    this._pending = new Map(); // event_id -> deferred (+ response)
+    this._responses = new Map(); // response_id -> Response
+    this._byCreateEvent = new Map(); // response.create event_id -> Response (for generation errors)
+    this._listeners = new Map(); // type -> Set<fn>
+    this._sendQueue = [];
+    this._sending = false;
+    this._closing = false;
+    this._resume = null; // {eventId, newSession} while a resume is being confirmed
+    this._attempt = 0;
+    this._retryAfterMs = 0;
+    this._ready = deferred();
+    this._ready.promise.catch(() => {});
+  }
+
+  // -- listeners -----------------------------------------------------------
+
+  /**
+   * Listen to server events by `type` ("response.output_text.delta", ...), to
+   * every server event ("event"), or to the client's lifecycle: "open",
+   * "reconnecting" {attempt, delayMs}, "reconnected", "resumefailed", "close".
+   * Returns a function that removes the listener.
+   */
+  on(type, listener) {
+    if (!this._listeners.has(type)) this._listeners.set(type, new Set());
+    this._listeners.get(type).add(listener);
+    return () => this._listeners.get(type)?.delete(listener);
+  }
+
+  _emit(type, payload) {
+    for (const fn of this._listeners.get(type) ?? []) {
+      try {
+        fn(payload);
+      } catch (err) {
+        queueMicrotask(() => {
+          throw err;
+        });
+      }
+    }
+  }
+
+  // -- requests ------------------------------------------------------------
+
+  _newEventId() {
+    return `evt_${this._nextId++}`;
+  }
+
+  /** Send an event, no reply awaited. Resolves once it is handed to the socket. */
+  send(event) {
+    event.event_id ??= this._newEventId();
+    return this._enqueue(event);
+  }
+
+  /**
+   * Send an event and resolve with the server's reply that echoes its
+   * `event_id`; reject with TokenwireError on an `error` about it.
+   */
+  request(event) {
+    event.event_id ??= this._newEventId();
+    const d = deferred();
+    this._pending.set(event.event_id, d);
+    this._enqueue(event).catch((err) => settle(d, false, err));
+    return d.promise.finally(() => this._pending.delete(event.event_id));
+  }
+
+  /** Like request(), for events the server answers with no echo: wait for `until` instead. */
+  async _requestUntil(event, until) {
+    event.event_id ??= this._newEventId();
+    const d = deferred();
+    this._pending.set(event.event_id, d);
+    this._enqueue(event).catch((err) => settle(d, false, err));
+    try {
+      return await Promise.race([d.promise, until]);
+    } finally {
+      this._pending.delete(event.event_id);
+    }
+  }
+
+  /** Set session defaults (instructions, tools, tool_choice, temperature, max_output_tokens, ...). */
+  async update(fields) {
+    const reply = await this.request({ type: "session.update", session: fields });
+    this.session = reply.session;
+    return reply.session;
+  }
+
+  /** Add an item to the conversation; resolves with the created item. */
+  async createItem(item, previousItemId) {
+    const event = { type: "conversation.item.create", item };
+    if (previousItemId !== undefined) event.previous_item_id = previousItemId;
+    return (await this.request(event)).item;
+  }
+
+  /** Add a message (role "user" by default). */
+  addMessage(content, role = "user") {
+    return this.createItem({ type: "message", role, content });
+  }
+
+  /** Answer a tool call; the response continues by itself once all its calls have outputs. */
+  submitToolOutput(callId, output) {
+    const text = typeof output === "string" ? output : JSON.stringify(output);
+    return this.createItem({ type: "function_call_output", call_id: callId, output: text });
+  }
+
+  /** Keep only the first `textEnd` code points of an assistant item. */
+  truncate(itemId, textEnd) {
+    return this.request({ type: "conversation.item.truncate", item_id: itemId, text_end: textEnd });
+  }
+
+  /** The current state of one conversation item. */
+  async retrieveItem(itemId) {
+    return (await this.request({ type: "conversation.item.retrieve", item_id: itemId })).item;
+  }
+
+  /**
+   * Start a response. Returns at once; iterate it or await its methods.
+   * `params.input` may be a string: it becomes one user message.
+   */
+  createResponse(params = {}) {
+    const body = { ...params };
+    if (typeof body.input === "string") {
+      body.input = [{ type: "message", role: "user", content: body.input }];
+    }
+    const response = new Response(this, body);
+    const event = { type: "response.create", event_id: this._newEventId(), response: body };
+    response.eventId = event.event_id;
+    const d = deferred();
+    d.response = response;
+    this._pending.set(event.event_id, d);
+    this._byCreateEvent.set(event.event_id, response);
+    this._enqueue(event).catch((err) => settle(d, false, err));
+    d.promise.then(
+      () => this._pending.delete(event.event_id),
+      (err) => {
+        this._pending.delete(event.event_id);
+        this._byCreateEvent.delete(event.event_id);
+        response._fail(err);
+      },
+    );
+    return response;
+  }
+
+  /** Add a user message, run a response, resolve with its text. */
+  async ask(text, params = {}) {
+    await this.addMessage(text);
+    return this.createResponse(params).text();
+  }
+
+  /** Close the connection for good (no reconnect). */
+  close(code = 1000, reason = "") {
+    this._closing = true;
+    clearTimeout(this._reconnectTimer);
+    if (this.ws && this.ws.readyState <= OPEN) this.ws.close(code, reason);
+    else this._finalClose(clientError("connection_closed", "the session was closed"));
+    return this._closed ?? Promise.resolve();
+  }
+
+  // -- sending: ordered, with upstream backpressure ------------------------------
+
+  _encode(event) {
+    if (this.subprotocol === SUBPROTOCOL_MSGPACK) return msgpack.encode(event, { ignoreUndefined: true });
+    return JSON.stringify(event);
+  }
+
+  _enqueue(event) {
+    if (this.state === "closed") {
+      return Promise.reject(clientError("connection_closed", "the session is closed"));
+    }
+    const d = deferred();
+    this._sendQueue.push({ event, d });
+    this._pump();
+    return d.promise;
+  }
+
+  async _pump() {
+    if (this._sending) return;
+    this._sending = true;
+    try {
+      while (this._sendQueue.length && this.state === "open") {
+        const entry = this._sendQueue[0];
+        let frame;
+        try {
+          frame = this._encode(entry.event);
+        } catch (err) {
+          this._sendQueue.shift();
+          settle(entry.d, false, err);
+          continue;
+        }
+        const size = typeof frame === "string" ? utf8Length(frame) : frame.byteLength;
+        const limit = this.session?.max_message_bytes;
+        if (limit && size > limit) {
+          // The server would close the socket with 1009; refuse it here instead.
+          this._sendQueue.shift();
+          settle(entry.d, false, clientError("message_too_big", `the event is ${size} bytes; the server accepts at most ${limit}`));
+          continue;
+        }
+        if (size >= this.backpressure.largeFrameBytes) {
+          const ws = this.ws;
+          while (ws.readyState === OPEN && (ws.bufferedAmount ?? 0) > this.backpressure.highWaterMark) {
+            await sleep(this.backpressure.pollIntervalMs);
+          }
+          if (ws !== this.ws || this.state !== "open") continue; // reconnected meanwhile: retry on the new socket
+        }
+        this._sendQueue.shift();
+        try {
+          this.ws.send(frame);
+          settle(entry.d, true);
+        } catch (err) {
+          settle(entry.d, false, err);
+        }
+      }
+    } finally {
+      this._sending = false;
+    }
+  }
+
+  // -- connection ------------------------------------------------------------------
+
+  async _open() {
+    const opts = this.options;
+    const wantHeaders = !!opts.apiKey;
+    const { WebSocketImpl, headers } = await pickWebSocket(opts, wantHeaders);
+    const keyInSubprotocol = !!opts.apiKey && !headers;
+    const protocols = subprotocols(this.protocol, { apiKey: opts.apiKey, keyInSubprotocol });
+    const ws = headers
+      ? new WebSocketImpl(this.url, protocols, {
+          headers: opts.apiKey ? { Authorization: `Bearer ${opts.apiKey}` } : {},
+          perMessageDeflate: false,
+          ...opts.wsOptions,
+        })
+      : new WebSocketImpl(this.url, protocols);
+    ws.binaryType = "arraybuffer";
+    return ws;
+  }
+
+  /** Open the first connection; resolves once session.created has arrived. */
+  async _start() {
+    this._closed = new Promise((resolve) => (this._resolveClosed = resolve));
+    if (this.protocol === "msgpack") await loadMsgpack();
+    const ws = await this._open();
+    this._attach(ws);
+    const timeoutMs = this.options.connectTimeoutMs ?? 10_000;
+    const timer = setTimeout(() => {
+      settle(this._ready, false, clientError("connect_timeout", `no session.created within ${timeoutMs} ms`));
+      try {
+        ws.close();
+      } catch {}
+    }, timeoutMs);
+    try {
+      await this._ready.promise;
+    } finally {
+      clearTimeout(timer);
+    }
+    return this;
+  }
+
+  _attach(ws) {
+    this.ws = ws;
+    ws.onopen = () => {
+      this.subprotocol = ws.protocol || SUBPROTOCOL_JSON;
+      if (this._resume) {
+        // session.resume must be the first event on the new connection.
+        ws.send(this._encode(this._resume.event));
+        this.state = "open";
+        this._emit("reconnected", { attempt: this._resume.attempt });
+        this._pump();
+      }
+    };
+    ws.onmessage = (msg) => {
+      if (ws !== this.ws) return;
+      let event;
+      try {
+        event = typeof msg.data === "string" ? JSON.parse(msg.data) : msgpack.decode(new Uint8Array(msg.data));
+      } catch (err) {
+        this._emit("decodeerror", err);
+        return;
+      }
+      this._attempt = 0; // this connection works: the next drop starts the backoff over
+      this._dispatch(event);
+    };
+    ws.onerror = () => {}; // a close event always follows
+    ws.onclose = (ev) => {
+      if (ws !== this.ws) return;
+      this._onClose(ev);
+    };
+  }
+
+  _onClose(ev) {
+    const info = { code: ev.code, reason: ev.reason };
+    if (this.state === "connecting" && !this._resume) {
+      // The first connection never got going: connect() rejects, no reconnect.
+      const err = clientError("connect_failed", `could not open ${this.url} (close ${ev.code}${ev.reason ? `: ${ev.reason}` : ""})`);
+      settle(this._ready, false, err);
+      this._finalClose(err, info);
+      return;
+    }
+    if (this._closing || !this.reconnectOptions || !this.id) {
+      this._finalClose(clientError("connection_closed", `the connection closed (${ev.code}${ev.reason ? `: ${ev.reason}` : ""})`), info);
+      return;
+    }
+    this._scheduleReconnect(info);
+  }
+
+  _scheduleReconnect(info) {
+    const r = this.reconnectOptions;
+    if (this._attempt >= r.maxAttempts) {
+      this._finalClose(clientError("reconnect_failed", `gave up after ${this._attempt} reconnect attempts`), info);
+      return;
+    }
+    this.state = "reconnecting";
+    let delayMs = backoffDelay(this._attempt, r);
+    if (this._retryAfterMs) {
+      delayMs = Math.max(delayMs, this._retryAfterMs);
+      this._retryAfterMs = 0;
+    }
+    const attempt = ++this._attempt;
+    this._emit("reconnecting", { attempt, delayMs, ...info });
+    this._reconnectTimer = setTimeout(async () => {
+      if (this._closing) return;
+      const event = {
+        type: "session.resume",
+        event_id: this._newEventId(),
+        session_id: this.id,
+        last_seq: this.lastSeq,
+      };
+      this._resume = { event, attempt, newSession: null, oldSeq: this.lastSeq };
+      try {
+        this._attach(await this._open());
+      } catch (err) {
+        this._scheduleReconnect({ code: 1006, reason: String(err?.message ?? err) });
+      }
+    }, delayMs);
+  }
+
+  _finalClose(err, info = {}) {
+    if (this.state === "closed") return;
+    this.state = "closed";
+    this._resume = null;
+    for (const entry of this._sendQueue.splice(0)) settle(entry.d, false, err);
+    for (const d of this._pending.values()) settle(d, false, err);
+    for (const r of this._responses.values()) r._fail(err);
+    for (const r of this._byCreateEvent.values()) r._fail(err);
+    this._responses.clear();
+    this._byCreateEvent.clear();
+    this._emit("close", { ...info, error: err });
+    this._resolveClosed?.();
+  }
+
+  // -- receiving -------------------------------------------------------------------
+
+  _dispatch(event) {
+    const type = event.type;
+    const resume = this._resume;
+    if (resume) {
+      // On a resuming connection the server may announce a fresh session
+      // first; hold it until we know whether the resume worked.
+      if (type === "session.created" && event.session?.id !== this.id) {
+        resume.newSession = event;
+        return;
+      }
+      if (type === "error" && event.error?.event_id === resume.event.event_id) {
+        this._resumeFailed(event);
+        return;
+      }
+      if (typeof event.seq === "number" && event.seq > resume.oldSeq) this._resume = null;
+    }
+    if (typeof event.seq === "number") {
+      if (event.seq <= this.lastSeq) return; // a replayed event we already have
+      this.lastSeq = event.seq;
+    }
+    if (type === "session.created" || type === "session.updated") {
+      this.session = event.session;
+      this.id = event.session.id;
+      if (type === "session.created" && this.state === "connecting") {
+        this.state = "open";
+        this._emit("open", event);
+        settle(this._ready, true, this);
+        this._pump();
+      }
+    } else if (type === "session.going_away") {
+      this._retryAfterMs = event.retry_after_ms ?? 0;
+    }
+
+    // Route to the response it belongs to.
+    let response = null;
+    if (type === "response.created") {
+      const d = this._pending.get(event.event_id);
+      response = d?.response ?? new Response(this, {});
+      this._responses.set(event.response.id, response);
+      response._bind(event);
+    } else {
+      const responseId = event.response_id ?? (type === TERMINAL ? event.response?.id : undefined);
+      response = responseId ? this._responses.get(responseId) : undefined;
+      if (!response && type === "error" && event.error?.event_id) {
+        const r = this._byCreateEvent.get(event.error.event_id);
+        if (r?.id) response = r; // a generation failure: its error goes to the response too
+      }
+      if (response) response._push(event);
+      if (type === TERMINAL && response) {
+        this._responses.delete(response.id);
+        this._byCreateEvent.delete(response.eventId);
+      }
+    }
+
+    if (type === "response.function_call_arguments.done" && this.tools[event.name]) {
+      this._runTool(event);
+    }
+
+    // Settle the request this event answers.
+    const eventId = type === "error" ? event.error?.event_id : event.event_id;
+    const d = eventId ? this._pending.get(eventId) : undefined;
+    if (d && !(type === "error" && response && d.response === response && response.id)) {
+      if (type === "error") settle(d, false, new TokenwireError(event.error));
+      else settle(d, true, event);
+    }
+
+    this._emit(type, event);
+    this._emit("event", event);
+  }
+
+  _resumeFailed(errorEvent) {
+    // The old session is gone. Everything in flight on it fails; the
+    // connection goes on with the fresh session the server announced.
+    const err = new TokenwireError({
+      ...errorEvent.error,
+      code: "resume_failed",
+      message: `could not resume session ${this.id}: ${errorEvent.error.code}: ${errorEvent.error.message}`,
+      cause_code: errorEvent.error.code,
+    });
+    const oldId = this.id;
+    const fresh = this._resume.newSession;
+    this._resume = null;
+    for (const [id, d] of this._pending) {
+      if (id !== errorEvent.error.event_id) settle(d, false, err);
+    }
+    for (const r of this._responses.values()) r._fail(err);
+    for (const r of this._byCreateEvent.values()) r._fail(err);
+    this._responses.clear();
+    this._byCreateEvent.clear();
+    this.lastSeq = 0;
+    if (fresh) {
+      this.lastSeq = fresh.seq ?? 0;
+      this.session = fresh.session;
+      this.id = fresh.session.id;
+    }
+    this.lastSeq = Math.max(this.lastSeq, errorEvent.seq ?? 0);
+    this._emit("resumefailed", { previousSessionId: oldId, sessionId: this.id, error: err });
+  }
+
+  async _runTool(event) {
+    const handler = this.tools[event.name];
+    let output;
+    try {
+      const args = event.arguments ? JSON.parse(event.arguments) : {};
+      const result = await handler(args, event);
+      output = typeof result === "string" ? result : JSON.stringify(result ?? null);
+    } catch (err) {
+      output = JSON.stringify({ error: `${err?.name ?? "Error"}: ${err?.message ?? err}` });
+    }
+    try {
+      await this.submitToolOutput(event.call_id, output);
+    } catch (err) {
+      this._emit("toolerror", { call: event, error: err });
+    }
+  }
+}
+
+function utf8Length(text) {
+  let bytes = 0;
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    if (c < 0x80) bytes += 1;
+    else if (c < 0x800) bytes += 2;
+    else if (c >= 0xd800 && c <= 0xdbff) {
+      bytes += 4;
+      i++;
+    } else bytes += 3;
+  }
+  return bytes;
+}
+
+/**
+ * Open a session. Resolves once the server's `session.created` has arrived.
+ * @param {string} url e.g. "ws://127.0.0.1:8765/v1/realtime"
+ * @param {object} [options] see index.d.ts (ConnectOptions)
+ * @returns {Promise<Session>}
+ */
+export function connect(url, options = {}) {
+  return new Session(url, options)._start();
+}

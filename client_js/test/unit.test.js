@@ -1,0 +1,285 @@
+// Unit tests of the client's own logic: backoff, subprotocols, reconnect and
+// resume, upstream backpressure. No server: a fake WebSocket plays its part.
+
+import assert from "node:assert/strict";
+import { once } from "node:events";
+import { describe, test } from "node:test";
+import { WebSocketServer } from "ws";
+import {
+  backoffDelay,
+  codePointLength,
+  connect,
+  DEFAULT_RECONNECT,
+  subprotocols,
+  TokenwireError,
+} from "../src/index.js";
+import { fakeWebSocket, tick, until } from "../test-support/fake-ws.js";
+
+const SESSION = { id: "sess_a", object: "realtime.session", engine: "scripted", max_message_bytes: 1 << 20 };
+
+/** connect() over a fake socket; returns the session and the first socket. */
+async function fakeSession(options = {}) {
+  const fake = fakeWebSocket();
+  const pending = connect("ws://fake/v1/realtime", { protocol: "json", WebSocket: fake.FakeWebSocket, ...options });
+  const sock = await fake.socket(0);
+  sock.accept();
+  sock.push({ type: "session.created", session: SESSION, seq: 1 });
+  return { session: await pending, sock, fake };
+}
+
+describe("backoff", () => {
+  test("exponential with full jitter, capped", () => {
+    const opts = { initialDelayMs: 100, maxDelayMs: 1000 };
+    const upper = [0, 1, 2, 3, 4, 5, 6].map((n) => backoffDelay(n, { ...opts, random: () => 0.999999 }));
+    assert.deepEqual(upper, [99, 199, 399, 799, 999, 999, 999]);
+    const half = [0, 1, 2, 3, 4].map((n) => backoffDelay(n, { ...opts, random: () => 0.5 }));
+    assert.deepEqual(half, [50, 100, 200, 400, 500]);
+    assert.equal(backoffDelay(9, { ...opts, random: () => 0 }), 0);
+  });
+
+  test("defaults", () => {
+    assert.deepEqual(DEFAULT_RECONNECT, { initialDelayMs: 250, maxDelayMs: 10_000, maxAttempts: 10 });
+    assert.equal(backoffDelay(0, { random: () => 0.5 }), 125);
+    assert.equal(backoffDelay(20, { random: () => 0.5 }), 5000);
+  });
+
+  test("the client follows the schedule, then gives up", async () => {
+    const { session, sock, fake } = await fakeSession({
+      reconnect: { initialDelayMs: 8, maxDelayMs: 20, maxAttempts: 4, random: () => 0.999999 },
+    });
+    const seen = [];
+    session.on("reconnecting", (e) => {
+      seen.push(e.delayMs);
+      // Each new socket fails before it opens.
+      fake.socket(e.attempt).then((s) => s.drop(1006));
+    });
+    const closed = new Promise((resolve) => session.on("close", resolve));
+    const r = session.createResponse();
+    sock.drop(1006);
+    const info = await closed;
+    assert.deepEqual(seen, [7, 15, 19, 19]);
+    assert.equal(fake.sockets.length, 5);
+    assert.equal(info.error.code, "reconnect_failed");
+    assert.equal(session.state, "closed");
+    await assert.rejects(r.done(), { code: "reconnect_failed" });
+  });
+
+  test("session.going_away: the next reconnect waits retry_after_ms", async () => {
+    const { session, sock } = await fakeSession({ reconnect: { random: () => 0 } });
+    const seen = new Promise((resolve) => session.on("reconnecting", resolve));
+    sock.push({ type: "session.going_away", reason: "draining", retry_after_ms: 1234, seq: 2 });
+    sock.drop(1001);
+    assert.equal((await seen).delayMs, 1234);
+    await session.close();
+  });
+});
+
+describe("subprotocols and auth", () => {
+  test("wire format first, then the key entry", () => {
+    assert.deepEqual(subprotocols("msgpack"), ["tokenwire.v1.msgpack"]);
+    assert.deepEqual(subprotocols("json", { apiKey: "k" }), ["tokenwire.v1.json"]);
+    assert.deepEqual(subprotocols("json", { apiKey: "sk-1", keyInSubprotocol: true }), [
+      "tokenwire.v1.json",
+      "tokenwire.auth.sk-1",
+    ]);
+    assert.throws(() => subprotocols("xml"), TypeError);
+  });
+
+  test("a WebSocket that cannot send headers gets the key as a subprotocol (browsers)", async () => {
+    const fake = fakeWebSocket();
+    const pending = connect("ws://fake/v1/realtime", { apiKey: "sk-1", WebSocket: fake.FakeWebSocket });
+    const sock = await fake.socket(0);
+    assert.deepEqual(sock.protocols, ["tokenwire.v1.msgpack", "tokenwire.auth.sk-1"]);
+    assert.equal(sock.options, undefined);
+    sock.accept("tokenwire.v1.msgpack");
+    sock.push({ type: "session.created", session: SESSION, seq: 1 });
+    const session = await pending;
+    assert.equal(session.subprotocol, "tokenwire.v1.msgpack");
+    session.close();
+  });
+
+  test("Node (ws) sends Authorization: Bearer and offers the wire format", async () => {
+    const wss = new WebSocketServer({ host: "127.0.0.1", port: 0, handleProtocols: (set) => [...set][0] });
+    await once(wss, "listening");
+    const seen = new Promise((resolve) =>
+      wss.on("connection", (ws, req) => {
+        resolve({ auth: req.headers.authorization, protocol: req.headers["sec-websocket-protocol"] });
+        ws.send(JSON.stringify({ type: "session.created", session: SESSION, seq: 1 }));
+      }),
+    );
+    try {
+      const session = await connect(`ws://127.0.0.1:${wss.address().port}/v1/realtime`, {
+        apiKey: "sk-test",
+        protocol: "json",
+      });
+      assert.deepEqual(await seen, { auth: "Bearer sk-test", protocol: "tokenwire.v1.json" });
+      await session.close();
+    } finally {
+      for (const c of wss.clients) c.terminate();
+      wss.close();
+    }
+  });
+
+  test("codePointLength counts code points, as text_end does", () => {
+    assert.equal(codePointLength("héllo"), 5);
+    assert.equal(codePointLength("a😀b"), 3);
+    assert.equal("a😀b".length, 4);
+  });
+});
+
+describe("reconnect and resume (client side)", () => {
+  test("sends session.resume first, drops replayed duplicates, feeds the same Response", async () => {
+    const { session, sock, fake } = await fakeSession({ reconnect: { random: () => 0 } });
+    const r = session.createResponse({ input: "hi" });
+    await until(() => sock.sent.length === 1, 2000, "response.create");
+    const create = sock.sent[0];
+    assert.equal(create.type, "response.create");
+    assert.deepEqual(create.response.input, [{ type: "message", role: "user", content: "hi" }]);
+    sock.push({
+      type: "response.created",
+      response: { id: "resp_1", status: "in_progress", output: [] },
+      event_id: create.event_id,
+      seq: 2,
+    });
+    sock.push({ type: "response.output_text.delta", response_id: "resp_1", item_id: "item_1", delta: "Hel", seq: 3 });
+    const events = [];
+    session.on("reconnecting", () => events.push("reconnecting"));
+    session.on("reconnected", () => events.push("reconnected"));
+    sock.drop(1006);
+    assert.equal(session.state, "reconnecting");
+    // A call made while reconnecting goes out after the resume.
+    const added = session.addMessage("while away");
+
+    const sock2 = await fake.socket(1);
+    sock2.accept();
+    assert.equal(sock2.sent[0].type, "session.resume");
+    assert.equal(sock2.sent[0].session_id, "sess_a");
+    assert.equal(sock2.sent[0].last_seq, 3);
+    await until(() => sock2.sent.length === 2, 2000, "the queued item");
+    const create2 = sock2.sent[1];
+    assert.equal(create2.type, "conversation.item.create");
+
+    // The server replays from its log (seq 3 again), then goes on live.
+    sock2.push({ type: "response.output_text.delta", response_id: "resp_1", item_id: "item_1", delta: "Hel", seq: 3 });
+    sock2.push({ type: "response.output_text.delta", response_id: "resp_1", item_id: "item_1", delta: "lo", seq: 4 });
+    sock2.push({
+      type: "conversation.item.created",
+      item: { id: "item_2", type: "message", role: "user", content: "while away", status: "completed" },
+      event_id: create2.event_id,
+      seq: 5,
+    });
+    sock2.push({ type: "response.output_text.done", response_id: "resp_1", item_id: "item_1", text: "Hello", seq: 6 });
+    sock2.push({
+      type: "response.done",
+      response: {
+        id: "resp_1",
+        status: "completed",
+        output: [{ id: "item_1", type: "message", role: "assistant", content: "Hello", status: "completed" }],
+      },
+      seq: 7,
+    });
+    const deltas = [];
+    for await (const d of r.text()) deltas.push(d);
+    assert.deepEqual(deltas, ["Hel", "lo"]);
+    assert.equal(await r.text(), "Hello");
+    assert.equal((await added).id, "item_2");
+    assert.deepEqual(events, ["reconnecting", "reconnected"]);
+    assert.equal(session.lastSeq, 7);
+    assert.equal(session.state, "open");
+    await session.close();
+  });
+
+  test("a refused resume fails what was in flight and goes on with the new session", async () => {
+    const { session, sock, fake } = await fakeSession({ reconnect: { random: () => 0 } });
+    const r = session.createResponse();
+    await until(() => sock.sent.length === 1);
+    sock.push({
+      type: "response.created",
+      response: { id: "resp_1", status: "in_progress", output: [] },
+      event_id: sock.sent[0].event_id,
+      seq: 2,
+    });
+    const failed = new Promise((resolve) => session.on("resumefailed", resolve));
+    sock.drop(1006);
+    const sock2 = await fake.socket(1);
+    sock2.accept();
+    const resume = sock2.sent[0];
+    // What today's server does: a fresh session, then invalid_state.
+    sock2.push({ type: "session.created", session: { ...SESSION, id: "sess_b" }, seq: 1 });
+    sock2.push({
+      type: "error",
+      error: { type: "invalid_request_error", code: "invalid_state", message: "no", event_id: resume.event_id },
+      seq: 2,
+    });
+    const info = await failed;
+    assert.equal(info.previousSessionId, "sess_a");
+    assert.equal(info.sessionId, "sess_b");
+    await assert.rejects(r.done(), (err) => err instanceof TokenwireError && err.code === "resume_failed");
+    assert.equal(session.id, "sess_b");
+    assert.equal(session.lastSeq, 2);
+    // The session works on.
+    const update = session.update({ temperature: 0 });
+    await until(() => sock2.sent.length === 2);
+    sock2.push({ type: "session.updated", session: { ...SESSION, id: "sess_b" }, event_id: sock2.sent[1].event_id, seq: 3 });
+    assert.equal((await update).id, "sess_b");
+    await session.close();
+  });
+
+  test("reconnect: false closes for good", async () => {
+    const { session, sock, fake } = await fakeSession({ reconnect: false });
+    const r = session.createResponse();
+    const closed = new Promise((resolve) => session.on("close", resolve));
+    sock.drop(1006);
+    assert.equal((await closed).error.code, "connection_closed");
+    await assert.rejects(r.done(), { code: "connection_closed" });
+    await tick(20);
+    assert.equal(fake.sockets.length, 1);
+    await assert.rejects(session.update({}), { code: "connection_closed" });
+  });
+
+  test("close() does not reconnect", async () => {
+    const { session, fake } = await fakeSession({ reconnect: { random: () => 0 } });
+    await session.close();
+    await tick(20);
+    assert.equal(fake.sockets.length, 1);
+    assert.equal(session.state, "closed");
+  });
+});
+
+describe("upstream backpressure", () => {
+  test("a large item waits while bufferedAmount is above the mark; order is kept", async () => {
+    const { session, sock } = await fakeSession({
+      backpressure: { largeFrameBytes: 1000, highWaterMark: 5000, pollIntervalMs: 1 },
+    });
+    // Small events go straight out while the buffer is full...
+    sock.bufferedAmount = 50_000;
+    session.send({ type: "response.cancel" });
+    await tick(5);
+    assert.equal(sock.sent.length, 1);
+    // ...a large one waits, and what comes after it queues behind it.
+    const big = session.send({ type: "conversation.item.create", item: { type: "message", role: "user", content: "x".repeat(4000) } });
+    const small = session.send({ type: "response.create" });
+    await tick(30);
+    assert.equal(sock.sent.length, 1);
+    sock.bufferedAmount = 6000;
+    await tick(20);
+    assert.equal(sock.sent.length, 1);
+    sock.bufferedAmount = 100;
+    await Promise.all([big, small]);
+    assert.deepEqual(
+      sock.sent.map((e) => e.type),
+      ["response.cancel", "conversation.item.create", "response.create"],
+    );
+    await session.close();
+  });
+
+  test("an event over the server's max_message_bytes is refused, not sent", async () => {
+    const { session, sock } = await fakeSession();
+    await assert.rejects(
+      session.addMessage("y".repeat((1 << 20) + 10)),
+      (err) => err instanceof TokenwireError && err.code === "message_too_big",
+    );
+    assert.equal(sock.sent.length, 0);
+    await session.close();
+  });
+});

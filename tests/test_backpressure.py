@@ -1,0 +1,270 @@
+"""Backpressure: merging, pause/resume, slow-client close, bounded memory.
+
+A "stalled" client is a real WebSocket client that stops reading, with a
+small receive buffer; the server runs with a small SO_SNDBUF so the kernel
+does not absorb megabytes on loopback before the server's own accounting
+sees the client fall behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+
+from tokenwire.client import connect
+from tokenwire.config import ServerConfig
+from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.protocol import CLOSE_SLOW_CLIENT
+from tokenwire.server import TokenwireServer
+
+from .conftest import free_port, http_json
+
+SMALL = dict(
+    sndbuf=4096,
+    outbound_high_water=4096,
+    outbound_hard_cap=32 * 1024,
+    stall_s=0.5,
+    slow_client_timeout_s=30.0,
+)
+
+
+@pytest.fixture
+async def server(request: pytest.FixtureRequest) -> AsyncIterator[TokenwireServer]:
+    overrides = getattr(request, "param", {})
+    config = ServerConfig(
+        engine="scripted", port=0, scripted_tokens_per_s=4000, **{**SMALL, **overrides}
+    )
+    srv = TokenwireServer(config, ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s))
+    await srv.start()
+    yield srv
+    await srv.close()
+
+
+def url_of(srv: TokenwireServer) -> str:
+    return f"ws://127.0.0.1:{srv.port}/v1/realtime"
+
+
+async def raw_client(url: str) -> ClientConnection:
+    """A JSON client with a tiny receive buffer that reads only when told to."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    return await ws_connect(url, sock=sock, max_queue=1, subprotocols=["tokenwire.v1.json"])
+
+
+async def stream(ws: ClientConnection, tokens: int) -> None:
+    await ws.send(
+        json.dumps(
+            {
+                "type": "response.create",
+                "response": {"ignore_eos": True, "max_output_tokens": tokens},
+            }
+        )
+    )
+
+
+async def read_response(
+    ws: ClientConnection, per_frame_sleep: float = 0.0
+) -> tuple[str, list[int], int, dict]:
+    text, seqs, frames = "", [], 0
+    while True:
+        event = json.loads(await ws.recv())
+        seqs.append(event["seq"])
+        frames += 1
+        if event["type"] == "response.output_text.delta":
+            text += event["delta"]
+            if per_frame_sleep:
+                await asyncio.sleep(per_frame_sleep)
+        if event["type"] == "response.done":
+            return text, seqs, frames, event["response"]
+
+
+def expected(n: int) -> str:
+    return "".join(f" t{i}" for i in range(n))
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_stalled_client_beside_healthy_one(server: TokenwireServer) -> None:
+    stalled = await raw_client(url_of(server))
+    await stream(stalled, 1_000_000)
+    await wait_for(lambda: any(c.paused for c in server.connections))
+    (stalled_conn,) = server.connections
+    # The stalled client's generation is paused: its engine slot is free.
+    assert server.engine.load().running == 0
+    async with await connect(url_of(server)) as healthy:
+        response = await healthy.create_response(ignore_eos=True, max_output_tokens=3000)
+        assert await response.text() == expected(3000)
+        assert (await response.done())["status"] == "completed"
+    assert stalled_conn.paused
+    assert stalled_conn.buffered_amount <= SMALL["outbound_hard_cap"] + 4096
+    # It goes away without ever reading; the server notices and frees it all.
+    stalled.transport.abort()
+    await wait_for(lambda: not server.connections)
+    assert stalled_conn.outbox.pending_bytes == 0 and not stalled_conn.tasks
+
+
+async def test_pause_then_resume_gives_identical_text(server: TokenwireServer) -> None:
+    ws = await raw_client(url_of(server))
+    n = 20_000
+    await stream(ws, n)
+    await wait_for(lambda: any(c.paused for c in server.connections))
+    conn = next(iter(server.connections))
+    text, seqs, _, done = await read_response(ws)
+    assert text == expected(n)
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert done["status"] == "completed" and done["usage"]["output_tokens"] == n
+    assert not conn.paused
+    ws.transport.abort()
+
+
+@pytest.mark.parametrize("server", [{"outbound_hard_cap": 4 << 20, "stall_s": 60.0}], indirect=True)
+async def test_merged_frames_reassemble_exactly(server: TokenwireServer) -> None:
+    ws = await raw_client(url_of(server))
+    n = 8000
+    await stream(ws, n)
+    await asyncio.sleep(0.5)  # fall behind, so deltas pile up and merge
+    text, seqs, frames, _ = await read_response(ws)
+    conn = next(iter(server.connections))
+    assert conn.outbox.merged > 0
+    assert frames < n  # fewer frames than tokens...
+    assert text == expected(n)  # ...with every token, in order
+    assert seqs == list(range(1, len(seqs) + 1))
+    ws.transport.abort()
+
+
+@pytest.mark.parametrize("server", [{"slow_client_timeout_s": 1.0}], indirect=True)
+async def test_client_that_never_reads_is_closed(server: TokenwireServer) -> None:
+    ws = await raw_client(url_of(server))
+    await stream(ws, 1_000_000)
+    await wait_for(lambda: any(c.paused for c in server.connections))
+    conn = next(iter(server.connections))
+    await wait_for(lambda: not server.connections, timeout=10)
+    assert conn.closed_for == "slow_client"
+    assert conn.outbox.pending_bytes == 0 and not conn.tasks
+    assert server.engine.load().running == 0
+    with pytest.raises(Exception):  # noqa: B017 - any close or reset
+        while True:
+            await ws.recv()
+    assert ws.close_code in (CLOSE_SLOW_CLIENT, 1006)
+
+
+async def test_flooding_client_is_not_read_while_behind(server: TokenwireServer) -> None:
+    ws = await raw_client(url_of(server))
+    bad = "{" * 200  # each one answered by an error event
+
+    async def flood() -> None:
+        for _ in range(20_000):
+            await ws.send(bad)
+
+    flooder = asyncio.create_task(flood())
+    await asyncio.sleep(1.5)
+    conn = next(iter(server.connections))
+    # Reading stopped once the answers piled up; memory stays near the cap.
+    assert not conn._drained.is_set()
+    assert conn.outbox.pending_bytes <= SMALL["outbound_hard_cap"] + 4096
+    async with await connect(url_of(server)) as healthy:
+        assert await healthy.ask("still fine") == "You said: still fine"
+    flooder.cancel()
+    ws.transport.abort()
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+async def test_memory_bound_with_many_stalled_clients() -> None:
+    """Server RSS grows by less than the stated per-connection bound."""
+    port = free_port()
+    hard_cap = 32 * 1024
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenwire",
+            "serve",
+            "--engine",
+            "scripted",
+            "--port",
+            str(port),
+            "--scripted-tokens-per-s",
+            "2000",
+            "--sndbuf",
+            "4096",
+            "--outbound-hard-cap",
+            str(hard_cap),
+            "--outbound-high-water",
+            "4096",
+            "--stall-s",
+            "0.5",
+            "--log-level",
+            "warning",
+        ],
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    clients: list[ClientConnection] = []
+    try:
+        for _ in range(100):
+            try:
+                if http_json(f"http://127.0.0.1:{port}/readyz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            await asyncio.sleep(0.1)
+        url = f"ws://127.0.0.1:{port}/v1/realtime"
+        # Warm up allocator and code paths, then measure.
+        warm = await raw_client(url)
+        await stream(warm, 100)
+        await read_response(warm)
+        await warm.close()
+        base = rss_kib(proc.pid)
+        n = 200
+        for _ in range(n):
+            ws = await raw_client(url)
+            await stream(ws, 10_000_000)
+            clients.append(ws)
+        for _ in range(100):
+            health = http_json(f"http://127.0.0.1:{port}/healthz")[1]
+            if health["paused_connections"] == n:
+                break
+            await asyncio.sleep(0.1)
+        assert health["paused_connections"] == n
+        assert health["engine_load"]["running"] == 0
+        # Bound per stalled connection: base ~64 KiB + hard cap + websockets'
+        # 32 KiB write limit (see README, "Memory per connection").
+        bound_kib = 64 + hard_cap // 1024 + 32
+        grown = rss_kib(proc.pid) - base
+        assert grown < n * bound_kib, (grown, n * bound_kib)
+        assert health["outbound_buffered_bytes"] <= n * (hard_cap + 4096)
+    finally:
+        for ws in clients:
+            ws.transport.abort()
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
