@@ -289,3 +289,61 @@ def test_render_messages_groups_parallel_calls() -> None:
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "tool"]
     assert [c["id"] for c in msgs[2]["tool_calls"]] == ["a", "b"]
     assert json.loads(msgs[2]["tool_calls"][0]["function"]["arguments"]) == {}
+
+
+# -- regressions found in review ---------------------------------------------
+
+
+def test_previous_item_id_of_an_out_of_band_item_is_unknown(session: Session) -> None:
+    send(session, {"type": "response.create", "response": {"conversation": "none", "input": [
+        {"type": "message", "role": "user", "content": "aside", "id": "side1"}]}})
+    events = send(session, {"type": "conversation.item.create", "previous_item_id": "side1",
+                            "item": {"type": "message", "role": "user", "content": "x"}})
+    assert codes(events) == ["unknown_item"]
+
+
+def test_steer_prompt_holds_the_partial_text_once() -> None:
+    checked: list[Any] = []
+    s = Session(check_request=checked.append)
+    send(s, {"type": "conversation.item.create",
+             "item": {"type": "message", "role": "user", "content": "story"}})
+    send(s, {"type": "response.create"})
+    (start,) = s.actions_to_perform()
+    s.receive_engine_output(start.request.request_id, EngineDelta("Once upon", 2, None, 3, 0))
+    send(s, {"type": "response.steer", "input": "shorter"})
+    _, restart = s.actions_to_perform()
+    assert [m["content"] for m in restart.request.messages] == ["story", "Once upon", "shorter"]
+    # The request that was checked is the one that runs.
+    assert checked[-1] is restart.request
+
+
+def test_calls_failing_the_check_are_incomplete(session: Session) -> None:
+    action = begin(session, tool_choice="required")
+    events = call(session, action.request.request_id, 0, "get_weather", "{}", finish="stop")
+    done = events[-1]["response"]
+    assert [o["status"] for o in done["output"]] == ["incomplete"]
+
+
+def test_cancel_output_lists_no_partial_call(session: Session) -> None:
+    action = begin(session)
+    call(session, action.request.request_id, 0, "get_weather", '{"ci')
+    events = send(session, {"type": "response.cancel"})
+    assert events[-1]["response"]["output"] == []
+
+
+def test_duplicate_ids_in_one_input(session: Session) -> None:
+    item = {"type": "message", "role": "user", "content": "x", "id": "same"}
+    events = send(session, {"type": "response.create", "response": {"input": [item, item]}})
+    assert codes(events) == ["duplicate_item_id"]
+    assert session.items == []
+
+
+def test_output_for_finished_out_of_band_response(session: Session) -> None:
+    send(session, {"type": "response.create", "response": {
+        "conversation": "none", "tools": [TIME], "tool_choice": "required"}})
+    (start,) = session.actions_to_perform()
+    call(session, start.request.request_id, 0, "get_time", "{}", finish="stop")
+    call_id = session._calls and next(iter(session._calls))
+    send(session, {"type": "response.cancel"})
+    assert codes(output(session, call_id, "late")) == ["response_not_active"]
+    assert all(i["type"] != "function_call_output" for i in session.items)

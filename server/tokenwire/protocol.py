@@ -57,7 +57,12 @@ class ErrorCode(StrEnum):
 
 
 # Errors caused by the client's input; everything else is the server's fault.
-_SERVER_SIDE = {ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.ENGINE_ERROR, ErrorCode.SERVER_ERROR}
+_SERVER_SIDE = {
+    ErrorCode.ENGINE_UNAVAILABLE,
+    ErrorCode.ENGINE_ERROR,
+    ErrorCode.SERVER_ERROR,
+    ErrorCode.INVALID_TOOL_ARGUMENTS,  # the model's output, not the client's input
+}
 
 
 class ProtocolError(Exception):

@@ -187,7 +187,9 @@ class Session:
         self._emit({"type": "session.updated", "session": self.describe()}, ev.event_id)
 
     def _on_conversation_item_create(self, ev: p.ConversationItemCreate) -> None:
-        if ev.previous_item_id is not None and ev.previous_item_id not in self._items_by_id:
+        if ev.previous_item_id is not None and not any(
+            it["id"] == ev.previous_item_id for it in self.items
+        ):
             raise ProtocolError(
                 ErrorCode.UNKNOWN_ITEM,
                 f"no item {ev.previous_item_id!r} in the conversation",
@@ -279,6 +281,13 @@ class Session:
             for raw in rp.input or []
             if isinstance(raw, p.MessageItem)
         ]
+        if len({i["id"] for i in inputs}) < len(inputs):
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_ITEM_ID,
+                "two input items share an id",
+                event_id=ev.event_id,
+                param="response.input",
+            )
         if any(isinstance(raw, p.FunctionCallOutputItem) for raw in rp.input or []):
             raise ProtocolError(
                 ErrorCode.INVALID_FIELD,
@@ -326,13 +335,13 @@ class Session:
                 event_id=ev.event_id,
             )
         steer_item = self._make_item({"type": "message", "role": "user", "content": ev.input})
-        partial = resp.current_item["content"] if resp.current_item else ""
+        # The partial text is already in the context; the steer goes after it.
+        # Check that exact request first, so a steer that cannot fit leaves
+        # the running generation alone.
+        request = self._next_request(resp, extra=[steer_item])
         if self._check_request is not None:
-            # Check the continued prompt first, so a steer that cannot fit
-            # leaves the running generation alone.
-            preview = [{"type": "message", "role": "assistant", "content": partial}, steer_item]
             try:
-                self._check_request(self._next_request(resp, extra=preview))
+                self._check_request(request)
             except EngineError as exc:
                 raise ProtocolError(exc.code, exc.message, event_id=ev.event_id) from None
         self._abort_current(resp)
@@ -348,7 +357,7 @@ class Session:
             },
             ev.event_id,
         )
-        self._start_generation(resp)
+        self._start_generation(resp, request)
 
     def _on_session_resume(self, ev: p.SessionResume) -> None:
         raise ProtocolError(
@@ -367,6 +376,15 @@ class Session:
                 param="item.call_id",
             )
         call_item, response_id, answered = known
+        resp = self.responses.get(response_id)
+        if resp is None and call_item not in self.items:
+            raise ProtocolError(
+                ErrorCode.RESPONSE_NOT_ACTIVE,
+                f'call {raw.call_id!r} came from a conversation:"none" response that has '
+                "finished; its output has nowhere to go",
+                event_id=event_id,
+                param="item.call_id",
+            )
         if answered:
             raise ProtocolError(
                 ErrorCode.DUPLICATE_CALL_OUTPUT,
@@ -376,7 +394,6 @@ class Session:
             )
         item = self._new_item(raw, event_id)
         self._calls[raw.call_id] = (call_item, response_id, True)
-        resp = self.responses.get(response_id)
         context = resp.context if resp is not None else self.items
         previous = context[-1]["id"] if context else None
         if resp is not None:
@@ -537,6 +554,8 @@ class Session:
         for item in calls:
             problem = self._check_arguments(item, tools)
             if problem is not None:
+                for call in calls:
+                    call["status"] = "incomplete"
                 message = f"call {item['call_id']} to {item['name']!r}: {problem}"
                 self._fail(resp, ErrorCode.INVALID_TOOL_ARGUMENTS, message)
                 return
@@ -600,9 +619,9 @@ class Session:
     def _drop_partial_calls(self, resp: Response) -> None:
         # Calls cut off mid-arguments cannot be run; they leave the history.
         for item in resp.calls.values():
-            item["status"] = "incomplete"
             if item in resp.context:
                 resp.context.remove(item)
+            resp.output.remove(item)
             self._items_by_id.pop(item["id"], None)
         resp.calls = {}
 
