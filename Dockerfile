@@ -3,6 +3,14 @@
 #   GPU (CUDA vllm):          docker build --build-arg VARIANT=gpu -t tokenwire:gpu .
 #                             docker run --gpus all -p 8765:8765 tokenwire:gpu
 ARG PYTHON_VERSION=3.11
+
+# The JS client and its msgpack build, served to the demo page at /.
+FROM node:20-slim AS js
+WORKDIR /js
+COPY client_js/package.json client_js/package-lock.json ./
+RUN npm ci --omit=dev --no-audit --no-fund
+COPY client_js/src ./src
+
 FROM python:${PYTHON_VERSION}-slim
 
 ARG VARIANT=cpu
@@ -13,6 +21,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     TOKENWIRE_CACHE_DIR=/var/cache/tokenwire \
     TOKENWIRE_KV_CACHE_GIB=4 \
+    TOKENWIRE_CLIENT_JS_DIR=/app/client_js \
     HF_HUB_OFFLINE=1
 
 RUN apt-get update \
@@ -22,6 +31,7 @@ RUN apt-get update \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY server ./server
+COPY --from=js /js /app/client_js
 
 RUN if [ "$VARIANT" = "gpu" ]; then \
       pip install '.[gpu]'; \

@@ -35,7 +35,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[vllm,test]'
+	$(PIP) install -q -e '.[vllm,test,bench]'
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -24,8 +24,14 @@ ARTIFACTS = ROOT / "test-artifacts"
 
 
 VLLM_BACKPRESSURE_FLAGS = [
-    "--sndbuf", "4608", "--outbound-high-water", "1024", "--outbound-hard-cap", "4096",
-    "--stall-s", "1",
+    "--sndbuf",
+    "4608",
+    "--outbound-high-water",
+    "1024",
+    "--outbound-hard-cap",
+    "4096",
+    "--stall-s",
+    "1",
 ]
 
 
@@ -115,10 +121,19 @@ def vllm_server() -> Iterator[VllmServer]:
     env = dict(os.environ, TOKENWIRE_KV_CACHE_GIB="1", TOKENWIRE_LOG_LEVEL="info")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenwire", "serve", "--engine", "vllm", "--port", str(port),
-             # Small socket buffer and caps, so a client that stops reading
-             # trips the pause on loopback within seconds (see test_vllm_backpressure).
-             *VLLM_BACKPRESSURE_FLAGS],
+            [
+                sys.executable,
+                "-m",
+                "tokenwire",
+                "serve",
+                "--engine",
+                "vllm",
+                "--port",
+                str(port),
+                # Small socket buffer and caps, so a client that stops reading
+                # trips the pause on loopback within seconds (see test_vllm_backpressure).
+                *VLLM_BACKPRESSURE_FLAGS,
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

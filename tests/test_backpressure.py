@@ -96,7 +96,7 @@ def expected(n: int) -> str:
     return "".join(f" t{i}" for i in range(n))
 
 
-async def wait_for(predicate, timeout: float = 10.0) -> None:  # noqa: ANN001
+async def wait_for(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"

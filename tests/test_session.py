@@ -302,3 +302,36 @@ def test_events_snapshot_items(session: Session) -> None:
         {"type": "conversation.item.truncate", "item_id": session.items[-1]["id"], "text_end": 1},
     )
     assert done["response"]["output"][0]["content"] == "abc"
+
+
+def test_conversation_size_is_capped(clock: Clock) -> None:
+    s = Session(clock=clock, limits=SessionLimits(max_conversation_bytes=100))
+    s.events_to_send()
+    ok = send(
+        s,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "x" * 60},
+        },
+    )
+    assert ok[0]["type"] == "conversation.item.created"
+    events = send(
+        s,
+        {
+            "type": "conversation.item.create",
+            "event_id": "big",
+            "item": {"type": "message", "role": "user", "content": "y" * 60},
+        },
+    )
+    assert errors(events) == ["conversation_too_large"]
+    assert events[0]["error"]["event_id"] == "big"
+    assert len(s.items) == 1
+    events = send(
+        s,
+        {
+            "type": "response.create",
+            "response": {"input": [{"type": "message", "role": "user", "content": "z" * 60}]},
+        },
+    )
+    assert errors(events) == ["conversation_too_large"]
+    assert s.history_bytes == 60

@@ -295,18 +295,37 @@ def test_render_messages_groups_parallel_calls() -> None:
 
 
 def test_previous_item_id_of_an_out_of_band_item_is_unknown(session: Session) -> None:
-    send(session, {"type": "response.create", "response": {"conversation": "none", "input": [
-        {"type": "message", "role": "user", "content": "aside", "id": "side1"}]}})
-    events = send(session, {"type": "conversation.item.create", "previous_item_id": "side1",
-                            "item": {"type": "message", "role": "user", "content": "x"}})
+    send(
+        session,
+        {
+            "type": "response.create",
+            "response": {
+                "conversation": "none",
+                "input": [{"type": "message", "role": "user", "content": "aside", "id": "side1"}],
+            },
+        },
+    )
+    events = send(
+        session,
+        {
+            "type": "conversation.item.create",
+            "previous_item_id": "side1",
+            "item": {"type": "message", "role": "user", "content": "x"},
+        },
+    )
     assert codes(events) == ["unknown_item"]
 
 
 def test_steer_prompt_holds_the_partial_text_once() -> None:
     checked: list[Any] = []
     s = Session(check_request=checked.append)
-    send(s, {"type": "conversation.item.create",
-             "item": {"type": "message", "role": "user", "content": "story"}})
+    send(
+        s,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "story"},
+        },
+    )
     send(s, {"type": "response.create"})
     (start,) = s.actions_to_perform()
     s.receive_engine_output(start.request.request_id, EngineDelta("Once upon", 2, None, 3, 0))
@@ -339,8 +358,13 @@ def test_duplicate_ids_in_one_input(session: Session) -> None:
 
 
 def test_output_for_finished_out_of_band_response(session: Session) -> None:
-    send(session, {"type": "response.create", "response": {
-        "conversation": "none", "tools": [TIME], "tool_choice": "required"}})
+    send(
+        session,
+        {
+            "type": "response.create",
+            "response": {"conversation": "none", "tools": [TIME], "tool_choice": "required"},
+        },
+    )
     (start,) = session.actions_to_perform()
     call(session, start.request.request_id, 0, "get_time", "{}", finish="stop")
     call_id = session._calls and next(iter(session._calls))

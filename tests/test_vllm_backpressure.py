@@ -30,8 +30,14 @@ async def test_pause_and_resume_keeps_greedy_text(vllm_server: VllmServer) -> No
     assert base_done["usage"]["output_tokens"] == TOKENS
 
     ws = await raw_client(vllm_server.url)
-    await ws.send(json.dumps({"type": "conversation.item.create", "item": {
-        "type": "message", "role": "user", "content": PROMPT}}))
+    await ws.send(
+        json.dumps(
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": PROMPT},
+            }
+        )
+    )
     await ws.send(json.dumps({"type": "response.create", "response": params}))
     # Stop reading until the server pauses the generation.
     saw_pause = False

@@ -22,6 +22,7 @@ _HELP = {
     "max_active_responses": "responses one connection may run at once",
     "default_max_output_tokens": "output cap when the client sets no max_output_tokens",
     "tool_timeout_s": "how long a response waits for tool outputs before ending incomplete",
+    "max_conversation_bytes": "text one conversation may hold before new input is refused",
     "tool_parser": "vLLM tool parser for tool_choice auto (e.g. hermes); default: none",
     "ping_interval_s": "WebSocket keepalive ping interval, seconds",
     "outbound_high_water": "bytes waiting for a client above which deltas are merged",

@@ -22,6 +22,8 @@ class ServerConfig:
     default_max_output_tokens: int = 1024
     # How long a response waits in requires_action for tool outputs.
     tool_timeout_s: float = 60.0
+    # Text one conversation may hold; bounds a session's memory.
+    max_conversation_bytes: int = 1 << 20
     # vLLM tool parser for tool_choice "auto" (e.g. hermes); none: auto gives text.
     tool_parser: str | None = None
     ping_interval_s: float = 20.0

@@ -51,6 +51,7 @@ class ErrorCode(StrEnum):
     INVALID_TOOL_ARGUMENTS = "invalid_tool_arguments"
     INVALID_STATE = "invalid_state"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    CONVERSATION_TOO_LARGE = "conversation_too_large"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     ENGINE_ERROR = "engine_error"
     SERVER_ERROR = "server_error"

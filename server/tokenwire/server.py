@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 from collections.abc import Sequence
 from http import HTTPStatus
@@ -28,8 +29,11 @@ REALTIME_PATH = "/v1/realtime"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 STATIC_DIR = PACKAGE_DIR / "static"
-# The JS client's sources, served to the demo page with no build step.
-CLIENT_JS_DIR = PACKAGE_DIR.parent.parent / "client_js"
+# The JS client's sources, served to the demo page with no build step: the
+# repo's client_js/ by default, or wherever an image put it.
+CLIENT_JS_DIR = Path(
+    os.environ.get("TOKENWIRE_CLIENT_JS_DIR", PACKAGE_DIR.parent.parent / "client_js")
+)
 MOUNTS = {
     "/static/": STATIC_DIR,
     "/client/": CLIENT_JS_DIR / "src",

@@ -70,6 +70,9 @@ class SessionLimits:
     # Default cap on output tokens when neither session nor response sets one.
     default_max_output_tokens: int | None = None
     tool_timeout_s: float = 60.0
+    # Text the conversation may hold (client items and model output); new
+    # input past it is refused, which bounds a session's memory.
+    max_conversation_bytes: int = 1 << 20
 
 
 @dataclass(slots=True)
@@ -144,6 +147,7 @@ class Session:
         self._calls: dict[str, tuple[dict[str, Any], str, bool]] = {}
         self._events: list[dict[str, Any]] = []
         self._actions: list[Action] = []
+        self.history_bytes = 0
         self.closed = False
         self._emit({"type": "session.created", "session": self.describe()})
 
@@ -200,6 +204,7 @@ class Session:
             self._receive_call_output(ev.item, ev.event_id)
             return
         item = self._new_item(ev.item, ev.event_id)
+        self._admit(len(ev.item.content.encode()), ev.event_id)
         previous = ev.previous_item_id or (self.items[-1]["id"] if self.items else None)
         self._insert_item(item, ev.previous_item_id)
         self._emit_item_created(item, previous, ev.event_id)
@@ -311,6 +316,7 @@ class Session:
                 self._check_request(request)
             except EngineError as exc:
                 raise ProtocolError(exc.code, exc.message, event_id=ev.event_id) from None
+        self._admit(sum(len(i["content"].encode()) for i in inputs), ev.event_id)
         if in_conversation:
             for item in inputs:
                 previous = self.items[-1]["id"] if self.items else None
@@ -334,6 +340,8 @@ class Session:
                 "steered (send the pending function_call_output items instead)",
                 event_id=ev.event_id,
             )
+        if self.history_bytes + len(ev.input.encode()) > self.limits.max_conversation_bytes:
+            self._admit(len(ev.input.encode()), ev.event_id)  # raises
         steer_item = self._make_item({"type": "message", "role": "user", "content": ev.input})
         # The partial text is already in the context; the steer goes after it.
         # Check that exact request first, so a steer that cannot fit leaves
@@ -344,6 +352,7 @@ class Session:
                 self._check_request(request)
             except EngineError as exc:
                 raise ProtocolError(exc.code, exc.message, event_id=ev.event_id) from None
+        self.history_bytes += len(ev.input.encode())
         self._abort_current(resp)
         previous = self._close_text_item(resp, "incomplete")
         self._drop_partial_calls(resp)
@@ -393,6 +402,7 @@ class Session:
                 param="item.call_id",
             )
         item = self._new_item(raw, event_id)
+        self._admit(len(raw.output.encode()), event_id)
         self._calls[raw.call_id] = (call_item, response_id, True)
         context = resp.context if resp is not None else self.items
         previous = context[-1]["id"] if context else None
@@ -498,6 +508,7 @@ class Session:
             self._add_output(resp, item)
             resp.current_item = item
         item["content"] += text
+        self.history_bytes += len(text)
         self._emit(
             {
                 "type": "response.output_text.delta",
@@ -524,6 +535,7 @@ class Session:
             self._add_output(resp, item)
             resp.calls[index] = item
         item["arguments"] += arguments
+        self.history_bytes += len(arguments)
         self._emit(
             {
                 "type": "response.function_call_arguments.delta",
@@ -770,6 +782,17 @@ class Session:
         item.update(fields)
         item.setdefault("status", "completed")
         return item
+
+    def _admit(self, text_bytes: int, event_id: str | None) -> None:
+        """Count new client text against the conversation's cap."""
+        if self.history_bytes + text_bytes > self.limits.max_conversation_bytes:
+            raise ProtocolError(
+                ErrorCode.CONVERSATION_TOO_LARGE,
+                f"the conversation would exceed {self.limits.max_conversation_bytes} bytes of "
+                "text; start a new session",
+                event_id=event_id,
+            )
+        self.history_bytes += text_bytes
 
     def _new_item(
         self, raw: p.MessageItem | p.FunctionCallOutputItem, event_id: str | None

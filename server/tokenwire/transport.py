@@ -41,6 +41,7 @@ class Connection:
                 max_active_responses=config.max_active_responses,
                 default_max_output_tokens=config.default_max_output_tokens,
                 tool_timeout_s=config.tool_timeout_s,
+                max_conversation_bytes=config.max_conversation_bytes,
             ),
             info={
                 "engine": engine.name,
