@@ -31,6 +31,16 @@ _HELP = {
     "slow_client_timeout_s": "seconds a client may block the writer before it is closed (4008)",
     "max_inbound_frames": "client frames queued before the server stops reading the socket",
     "sndbuf": "SO_SNDBUF of client sockets in bytes (0: OS default)",
+    "api_keys_file": "file of API keys, one per line; clients must present one",
+    "api_keys": "API keys, comma-separated (prefer --api-keys-file)",
+    "insecure": "serve a non-loopback address without API keys",
+    "allowed_origins": "comma-separated Origin allow-list for browser clients",
+    "max_connections": "open connections in all",
+    "max_connections_per_key": "open connections per API key",
+    "max_responses_per_key": "responses running at once per API key",
+    "tokens_per_s_per_key": "output tokens per second per API key (0: unlimited)",
+    "max_events_per_s": "client events per second per connection, burst twice that",
+    "idle_timeout_s": "close a connection with no frames and nothing running (code 4000)",
     "log_content": "log message text (off by default: logs never hold user data)",
     "log_level": "debug, info, warning or error",
 }
@@ -105,6 +115,16 @@ def serve(config: ServerConfig) -> int:
     from .server import TokenwireServer
 
     logs.configure(config.log_level)
+    from .auth import KeyStore, is_loopback
+
+    keys = KeyStore.load(config.api_keys_file, config.api_keys)
+    if not keys.enabled and not config.insecure and not is_loopback(config.host):
+        print(
+            f"error: refusing to serve {config.host} without API keys. Pass --api-keys-file "
+            "(or TOKENWIRE_API_KEYS), or --insecure if the network in front is trusted.",
+            file=sys.stderr,
+        )
+        return 2
     if config.engine == "vllm":
         # Prepare the model here, in the foreground, so its progress is visible.
         from .models import ModelError, resolve_model

@@ -34,6 +34,17 @@ class ServerConfig:
     slow_client_timeout_s: float = 30.0  # blocked this long: close with 4008
     max_inbound_frames: int = 4  # frames queued from the client before reading pauses
     sndbuf: int = 0  # SO_SNDBUF for client sockets; 0 keeps the OS default
+    # Security and limits.
+    api_keys_file: str | None = None  # one key per line
+    api_keys: str | None = None  # comma-separated; prefer the file or the env var
+    insecure: bool = False  # allow a non-loopback address without API keys
+    allowed_origins: str | None = None  # comma-separated Origin allow-list for browsers
+    max_connections: int = 10_000
+    max_connections_per_key: int = 1_000
+    max_responses_per_key: int = 256
+    tokens_per_s_per_key: float = 0.0  # output tokens/s per key; 0 = unlimited
+    max_events_per_s: float = 50.0  # client events per second per connection (burst x2)
+    idle_timeout_s: float = 600.0  # no client frame and nothing running: close (4000)
     log_content: bool = False  # log message text; off so logs never hold user data
     log_level: str = "info"
 

@@ -27,8 +27,10 @@ SUBPROTOCOL_JSON = "tokenwire.v1.json"
 SUBPROTOCOL_MSGPACK = "tokenwire.v1.msgpack"
 SUBPROTOCOLS = (SUBPROTOCOL_MSGPACK, SUBPROTOCOL_JSON)
 
-# Close code sent when a client never drains its stream (see docs/protocol.md).
-CLOSE_SLOW_CLIENT = 4008
+# Close codes (see docs/protocol.md).
+CLOSE_IDLE = 4000  # no client frame and no active response for --idle-timeout-s
+CLOSE_SLOW_CLIENT = 4008  # the client stopped reading its stream
+CLOSE_TRY_AGAIN_LATER = 1013  # connection limit reached after the handshake
 
 
 class ErrorCode(StrEnum):
@@ -52,6 +54,7 @@ class ErrorCode(StrEnum):
     INVALID_STATE = "invalid_state"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     CONVERSATION_TOO_LARGE = "conversation_too_large"
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     ENGINE_ERROR = "engine_error"
     SERVER_ERROR = "server_error"

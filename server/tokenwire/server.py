@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import weakref
 from collections.abc import Sequence
 from http import HTTPStatus
 from pathlib import Path
@@ -16,10 +17,13 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from . import metrics
+from .auth import KeyStore
 from .config import ServerConfig
 from .engines import Engine, create_engine
+from .limits import Limiter
 from .logs import get_logger
-from .protocol import SUBPROTOCOLS
+from .protocol import CLOSE_TRY_AGAIN_LATER, SUBPROTOCOLS
 from .transport import Connection
 
 log = get_logger("tokenwire.server")
@@ -81,6 +85,13 @@ class TokenwireServer:
         self.config = config
         self.engine = engine or create_engine(config)
         self.connections: set[Connection] = set()
+        self.keys = KeyStore.load(config.api_keys_file, config.api_keys)
+        self.limiter = Limiter(config.max_responses_per_key, config.tokens_per_s_per_key)
+        # Handshakes that passed auth, waiting for their handler: connection -> key id.
+        # Weak: a handshake that fails after auth never reaches its handler.
+        self._accepted: weakref.WeakKeyDictionary[ServerConnection, str] = (
+            weakref.WeakKeyDictionary()
+        )
         self._server: Server | None = None
         self._engine_task: asyncio.Task[None] | None = None
 
@@ -101,7 +112,11 @@ class TokenwireServer:
     def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
         if path == REALTIME_PATH:
-            return None  # go on with the WebSocket upgrade
+            return self._admit(conn, request)
+        if path == "/metrics":
+            self._update_gauges()
+            body, content_type = metrics.render()
+            return http_response(HTTPStatus.OK, body, content_type)
         if path == "/healthz":
             return json_response(HTTPStatus.OK, self.health())
         if path == "/readyz":
@@ -124,6 +139,54 @@ class TokenwireServer:
             {"error": f"no route {path!r}; the WebSocket endpoint is {REALTIME_PATH}"},
         )
 
+    def _admit(self, conn: ServerConnection, request: Request) -> Response | None:
+        """Auth and connection limits, before the upgrade and before any work."""
+        offered = [
+            p.strip()
+            for header in request.headers.get_all("Sec-WebSocket-Protocol")
+            for p in header.split(",")
+        ]
+        if self.keys.enabled:
+            kid = self.keys.from_request(request.headers.get("Authorization"), offered)
+            if kid is None:
+                metrics.REJECTED.labels("unauthorized").inc()
+                response = json_response(
+                    HTTPStatus.UNAUTHORIZED,
+                    {
+                        "error": {
+                            "code": "unauthorized",
+                            "message": "present an API key as 'Authorization: Bearer <key>' or as "
+                            "the subprotocol 'tokenwire.auth.<key>'",
+                        }
+                    },
+                )
+                response.headers["WWW-Authenticate"] = 'Bearer realm="tokenwire"'
+                return response
+        else:
+            kid = "anonymous"
+        usage = self.limiter.keys.get(kid)
+        if len(self.connections) + len(self._accepted) >= self.config.max_connections or (
+            usage is not None and usage.connections >= self.config.max_connections_per_key
+        ):
+            metrics.REJECTED.labels("too_many_connections").inc()
+            return json_response(
+                HTTPStatus.TOO_MANY_REQUESTS,
+                {
+                    "error": {
+                        "code": "too_many_connections",
+                        "message": "the connection limit is reached; retry later",
+                    }
+                },
+            )
+        self._accepted[conn] = kid
+        return None  # go on with the WebSocket upgrade
+
+    def _update_gauges(self) -> None:
+        load = self.engine.load()
+        metrics.ENGINE_QUEUE.labels("running").set(load.running)
+        metrics.ENGINE_QUEUE.labels("waiting").set(load.waiting)
+        metrics.OUTBOUND_BUFFERED.set(sum(c.buffered_amount for c in self.connections))
+
     @staticmethod
     def _select_subprotocol(conn: ServerConnection, offered: Sequence[str]) -> str | None:
         # The client's order wins; with none of ours offered we speak JSON.
@@ -135,12 +198,27 @@ class TokenwireServer:
     # -- WebSocket ----------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = Connection(ws, self.engine, self.config)
+        kid = self._accepted.pop(ws, "anonymous")
+        usage = self.limiter.usage(kid)
+        # Handshakes race; the count that matters is taken here.
+        if (
+            len(self.connections) >= self.config.max_connections
+            or usage.connections >= self.config.max_connections_per_key
+        ):
+            self.limiter.forget_idle(kid)
+            await ws.close(CLOSE_TRY_AGAIN_LATER, "too_many_connections")
+            return
+        conn = Connection(ws, self.engine, self.config, usage)
         self.connections.add(conn)
+        usage.connections += 1
+        metrics.CONNECTIONS.inc()
         try:
             await conn.run()
         finally:
             self.connections.discard(conn)
+            usage.connections -= 1
+            metrics.CONNECTIONS.dec()
+            self.limiter.forget_idle(kid)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -152,6 +230,12 @@ class TokenwireServer:
             self.config.host,
             self.config.port,
             process_request=self._process_request,
+            # Browsers send Origin; other clients send none and pass (None).
+            origins=(
+                [*(o.strip() for o in self.config.allowed_origins.split(",") if o.strip()), None]
+                if self.config.allowed_origins
+                else None
+            ),
             select_subprotocol=self._select_subprotocol,
             max_size=self.config.max_message_bytes,
             compression=None,  # per-message deflate costs CPU per token and memory per socket

@@ -17,12 +17,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import jsonschema
 
 from . import protocol as p
 from .engines.base import EngineDelta, EngineError, GenerationRequest
+from .limits import TokenBucket
 from .protocol import ErrorCode, ProtocolError
 
 ACTIVE = ("in_progress", "requires_action")
@@ -73,6 +74,18 @@ class SessionLimits:
     # Text the conversation may hold (client items and model output); new
     # input past it is refused, which bounds a session's memory.
     max_conversation_bytes: int = 1 << 20
+    # Client events per second (burst: twice that); 0 means unlimited.
+    max_events_per_s: float = 0.0
+
+
+class Quota(Protocol):
+    """Limits shared by all sessions of one API key (see limits.KeyUsage)."""
+
+    def acquire_response(self) -> tuple[ErrorCode, str] | None: ...
+
+    def release_response(self) -> None: ...
+
+    def spend_tokens(self, n: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -121,12 +134,16 @@ class Session:
         info: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         check_request: Callable[[GenerationRequest], None] | None = None,
+        quota: Quota | None = None,
     ) -> None:
         self.id = session_id or new_id("sess")
         self.limits = limits or SessionLimits()
         self.clock = clock
         # The engine's pre-flight check (context length); raises EngineError.
         self._check_request = check_request
+        self._quota = quota
+        rate = self.limits.max_events_per_s
+        self._events_bucket = TokenBucket(rate, 2 * rate, clock) if rate > 0 else None
         self.config: dict[str, Any] = {
             "instructions": None,
             "tools": [],
@@ -173,6 +190,14 @@ class Session:
     def receive_client_event(self, obj: Any) -> None:
         """Take one decoded frame; bad input becomes an `error` event."""
         try:
+            if self._events_bucket is not None and not self._events_bucket.take():
+                event_id = obj.get("event_id") if isinstance(obj, dict) else None
+                raise ProtocolError(
+                    ErrorCode.RATE_LIMIT_EXCEEDED,
+                    f"more than {self.limits.max_events_per_s:g} events per second; this one "
+                    "was dropped",
+                    event_id=event_id if isinstance(event_id, str) else None,
+                )
             event = p.parse_client_event(obj)
             getattr(self, "_on_" + event.type.replace(".", "_"))(event)
         except ProtocolError as err:
@@ -316,7 +341,12 @@ class Session:
                 self._check_request(request)
             except EngineError as exc:
                 raise ProtocolError(exc.code, exc.message, event_id=ev.event_id) from None
-        self._admit(sum(len(i["content"].encode()) for i in inputs), ev.event_id)
+        size = sum(len(i["content"].encode()) for i in inputs)
+        self._admit(size, ev.event_id)
+        # Last check: from here on the response exists and holds its slot.
+        if self._quota is not None and (problem := self._quota.acquire_response()):
+            self.history_bytes -= size
+            raise ProtocolError(problem[0], problem[1], event_id=ev.event_id)
         if in_conversation:
             for item in inputs:
                 previous = self.items[-1]["id"] if self.items else None
@@ -431,6 +461,8 @@ class Session:
             resp.input_tokens += delta.prompt_tokens
             resp.cached_tokens += delta.cached_tokens or 0
         resp.output_tokens += delta.output_tokens
+        if self._quota is not None:
+            self._quota.spend_tokens(delta.output_tokens)
         if delta.token_ids:
             resp.gen_token_ids.extend(delta.token_ids)
         if (delta.text or delta.tool_calls) and resp.first_token_at is None:
@@ -650,6 +682,8 @@ class Session:
         resp.status = status
         resp.status_details = details
         resp.done_at = self.clock()
+        if self._quota is not None:
+            self._quota.release_response()
         self._emit({"type": "response.done", "response": self._describe(resp)})
         # Keep only a bounded record of finished responses.
         del self.responses[resp.id]

@@ -15,23 +15,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
+from . import metrics
 from .config import ServerConfig
 from .engines.base import Engine, EngineDelta, EngineError
+from .limits import KeyUsage
 from .logs import get_logger
 from .outbox import Outbox
-from .protocol import CLOSE_SLOW_CLIENT, Codec, ErrorCode, ProtocolError, decode_frame
+from .protocol import CLOSE_IDLE, CLOSE_SLOW_CLIENT, Codec, ErrorCode, ProtocolError, decode_frame
 from .session import AbortGeneration, Session, SessionLimits, StartGeneration, StartTimer
 
 log = get_logger("tokenwire.transport")
 
 
 class Connection:
-    def __init__(self, ws: ServerConnection, engine: Engine, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        ws: ServerConnection,
+        engine: Engine,
+        config: ServerConfig,
+        usage: KeyUsage | None = None,
+    ) -> None:
         self.ws = ws
         self.engine = engine
         self.config = config
@@ -42,6 +51,7 @@ class Connection:
                 default_max_output_tokens=config.default_max_output_tokens,
                 tool_timeout_s=config.tool_timeout_s,
                 max_conversation_bytes=config.max_conversation_bytes,
+                max_events_per_s=config.max_events_per_s,
             ),
             info={
                 "engine": engine.name,
@@ -51,6 +61,7 @@ class Connection:
                 "default_max_output_tokens": config.default_max_output_tokens,
             },
             check_request=engine.check,
+            quota=usage,
         )
         self.outbox = Outbox()
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -62,7 +73,11 @@ class Connection:
         self._slow_timer: asyncio.TimerHandle | None = None
         self.paused = False
         self.closed_for: str | None = None
-        self.log = log.bind(session_id=self.session.id)
+        self._last_delta: dict[str, float] = {}  # response id -> time, for inter-token latency
+        self._last_frame = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._closer: asyncio.Task[None] | None = None
+        self.log = log.bind(session_id=self.session.id, key_id=usage.key_id if usage else None)
         if config.sndbuf and ws.transport is not None:
             sock = ws.transport.get_extra_info("socket")
             if sock is not None:
@@ -80,10 +95,14 @@ class Connection:
             "session_open", subprotocol=self.codec.subprotocol, remote=str(self.ws.remote_address)
         )
         writer = asyncio.create_task(self._write_loop())
+        loop = asyncio.get_running_loop()
+        self._last_frame = loop.time()
+        self._idle_timer = loop.call_later(self.config.idle_timeout_s, self._check_idle)
         self._pump()
         close_reason = "client_closed"
         try:
             async for frame in self.ws:
+                self._last_frame = loop.time()
                 self._receive(frame)
                 if not self._drained.is_set():
                     # Upstream backpressure: read nothing more until the client
@@ -124,6 +143,12 @@ class Connection:
                 task = self.tasks.pop(action.request_id, None)
                 if task is not None:
                     task.cancel()
+                    started = time.perf_counter()
+                    task.add_done_callback(
+                        lambda _, t0=started: metrics.CANCEL_LATENCY.observe(
+                            time.perf_counter() - t0
+                        )
+                    )
             elif isinstance(action, StartTimer):
                 old = self._timers.pop(action.response_id, None)
                 if old is not None:
@@ -160,6 +185,7 @@ class Connection:
         paused = self.session.pause()
         self._pump()
         if paused:
+            metrics.PAUSES.inc()
             self.paused = True
             self.log.info(
                 "generation_paused", reason=why, response_ids=paused, buffered=self.buffered_amount
@@ -176,7 +202,7 @@ class Connection:
         self.outbox.clear()
         self.session.close()
         self._pump()
-        asyncio.get_running_loop().create_task(self._close_slow())
+        self._closer = asyncio.get_running_loop().create_task(self._close_slow())
 
     async def _close_slow(self) -> None:
         self.closed_for = "slow_client"
@@ -225,8 +251,25 @@ class Connection:
         if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
             raise ConnectionClosedError(None, None) from waiter.exception()
 
+    def _check_idle(self) -> None:
+        loop = asyncio.get_running_loop()
+        idle_for = loop.time() - self._last_frame
+        limit = self.config.idle_timeout_s
+        if self.session.active_responses or idle_for < limit:
+            self._idle_timer = loop.call_later(max(limit - idle_for, 1.0), self._check_idle)
+            return
+        self._idle_timer = None
+        self.closed_for = "idle"
+        self.log.info("idle_closed", idle_s=round(idle_for, 1))
+        self._closer = loop.create_task(self.ws.close(CLOSE_IDLE, "idle timeout"))
+
     def _cancel_timers(self) -> None:
-        for timer in (self._stall_timer, self._slow_timer, *self._timers.values()):
+        for timer in (
+            self._stall_timer,
+            self._slow_timer,
+            self._idle_timer,
+            *self._timers.values(),
+        ):
             if timer is not None:
                 timer.cancel()
         self._timers.clear()
@@ -288,9 +331,21 @@ class Connection:
         self._pump()
 
     def _log_event(self, event: dict[str, Any]) -> None:
+        """Logs and metrics for the events that matter; deltas only feed a histogram."""
         kind = event["type"]
-        if kind == "response.done":
+        if kind == "response.output_text.delta":
+            now = time.perf_counter()
+            last = self._last_delta.get(event["response_id"])
+            if last is not None:
+                metrics.INTER_TOKEN.observe(now - last)
+            self._last_delta[event["response_id"]] = now
+        elif kind == "response.done":
             r = event["response"]
+            self._last_delta.pop(r["id"], None)
+            metrics.ACTIVE_RESPONSES.dec()
+            metrics.RESPONSES.labels(r["status"]).inc()
+            if r.get("timings") and r["timings"]["ttft_ms"] is not None:
+                metrics.TTFT.observe(r["timings"]["ttft_ms"] / 1000)
             fields: dict[str, Any] = {
                 "response_id": r["id"],
                 "status": r["status"],
@@ -301,8 +356,10 @@ class Connection:
                 fields["text"] = "".join(i.get("content", "") for i in r["output"])
             self.log.info("response_done", **fields)
         elif kind == "response.created":
+            metrics.ACTIVE_RESPONSES.inc()
             self.log.info("response_created", response_id=event["response"]["id"])
         elif kind == "error":
+            metrics.ERRORS.labels(event["error"]["code"]).inc()
             self.log.info(
                 "client_error", code=event["error"]["code"], event_id=event["error"].get("event_id")
             )
