@@ -33,7 +33,7 @@ def config(**overrides: object) -> ServerConfig:
     )  # type: ignore[arg-type]
 
 
-def url_of(running) -> str:  # noqa: ANN001
+def url_of(running) -> str:
     return running.url
 
 
@@ -67,7 +67,7 @@ async def test_bearer_and_subprotocol_keys() -> None:
                 pass
 
 
-def test_keystore_file_and_env(tmp_path) -> None:  # noqa: ANN001
+def test_keystore_file_and_env(tmp_path) -> None:
     path = tmp_path / "keys"
     path.write_text(f"# team keys\n{KEY}\n\n")
     store = KeyStore.load(str(path), f" {OTHER} ,")
@@ -236,7 +236,7 @@ async def test_metrics_endpoint() -> None:
     assert float(cancels[0].split()[-1]) >= 1
 
 
-def test_logs_never_contain_keys(tmp_path) -> None:  # noqa: ANN001
+def test_logs_never_contain_keys(tmp_path) -> None:
     keys = tmp_path / "keys"
     keys.write_text(KEY + "\n")
     port = free_port()
