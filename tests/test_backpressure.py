@@ -36,6 +36,7 @@ SMALL = dict(
     outbound_hard_cap=32 * 1024,
     stall_s=0.5,
     slow_client_timeout_s=30.0,
+    resume_grace_s=0.3,
 )
 
 
@@ -116,9 +117,11 @@ async def test_stalled_client_beside_healthy_one(server: TokenwireServer) -> Non
         assert (await response.done())["status"] == "completed"
     assert stalled_conn.paused
     assert stalled_conn.buffered_amount <= SMALL["outbound_hard_cap"] + 4096
-    # It goes away without ever reading; the server notices and frees it all.
+    # It goes away without ever reading; after the resume grace period the
+    # server frees it all.
     stalled.transport.abort()
-    await wait_for(lambda: not server.connections)
+    await wait_for(lambda: not server.sessions)
+    assert stalled_conn.state == "ended"
     assert stalled_conn.outbox.pending_bytes == 0 and not stalled_conn.tasks
 
 
@@ -157,7 +160,7 @@ async def test_client_that_never_reads_is_closed(server: TokenwireServer) -> Non
     await stream(ws, 1_000_000)
     await wait_for(lambda: any(c.paused for c in server.connections))
     conn = next(iter(server.connections))
-    await wait_for(lambda: not server.connections, timeout=10)
+    await wait_for(lambda: not server.sessions, timeout=10)
     assert conn.closed_for == "slow_client"
     assert conn.outbox.pending_bytes == 0 and not conn.tasks
     assert server.engine.load().running == 0

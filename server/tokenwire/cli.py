@@ -31,6 +31,8 @@ _HELP = {
     "slow_client_timeout_s": "seconds a client may block the writer before it is closed (4008)",
     "max_inbound_frames": "client frames queued before the server stops reading the socket",
     "sndbuf": "SO_SNDBUF of client sockets in bytes (0: OS default)",
+    "resume_grace_s": "how long a session outlives a dropped connection, waiting for resume",
+    "resume_log_bytes": "bytes of sent events a session keeps for replay on resume",
     "api_keys_file": "file of API keys, one per line; clients must present one",
     "api_keys": "API keys, comma-separated (prefer --api-keys-file)",
     "insecure": "serve a non-loopback address without API keys",

@@ -34,6 +34,10 @@ class ServerConfig:
     slow_client_timeout_s: float = 30.0  # blocked this long: close with 4008
     max_inbound_frames: int = 4  # frames queued from the client before reading pauses
     sndbuf: int = 0  # SO_SNDBUF for client sockets; 0 keeps the OS default
+    # Resume: how long a session outlives a dropped socket, and how much of
+    # what it sent it keeps for replay.
+    resume_grace_s: float = 30.0
+    resume_log_bytes: int = 256 * 1024
     # Security and limits.
     api_keys_file: str | None = None  # one key per line
     api_keys: str | None = None  # comma-separated; prefer the file or the env var

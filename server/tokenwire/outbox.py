@@ -30,6 +30,10 @@ class Outbox:
         self._queue.append(event)
         self.pending_bytes += estimate_size(event)
 
+    def push_front(self, event: dict[str, Any]) -> None:
+        self._queue.appendleft(event)
+        self.pending_bytes += estimate_size(event)
+
     def extend(self, events: list[dict[str, Any]]) -> None:
         for event in events:
             self.push(event)

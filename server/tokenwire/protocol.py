@@ -55,6 +55,8 @@ class ErrorCode(StrEnum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     CONVERSATION_TOO_LARGE = "conversation_too_large"
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+    SESSION_NOT_FOUND = "session_not_found"
+    RESUME_NOT_POSSIBLE = "resume_not_possible"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     ENGINE_ERROR = "engine_error"
     SERVER_ERROR = "server_error"
@@ -113,12 +115,49 @@ def error_event(
 # Codec
 
 
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry back
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def check_values(obj: Any) -> None:
+    """Refuse what could not be sent back: lone surrogates (JSON \\u escapes allow
+    them), integers beyond 64 bits, NaN and infinities. Iterative, so deep
+    nesting cannot blow the stack."""
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone UTF-16 surrogate") from None
+        elif isinstance(value, bool):
+            continue
+        elif isinstance(value, int):
+            if not INT_MIN <= value <= INT_MAX:
+                raise ValueError("an integer does not fit in 64 bits")
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError("NaN and infinities are not JSON")
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+
+
 def decode_frame(data: str | bytes) -> Any:
     """Text frames are JSON and binary frames msgpack, whatever was negotiated."""
     try:
         if isinstance(data, str):
-            return json.loads(data)
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+            obj = json.loads(data, parse_constant=_reject_constant)
+        else:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        check_values(obj)
+        return obj
     except (
         ValueError,
         TypeError,
@@ -155,7 +194,7 @@ ItemId = Annotated[
     str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
 ]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-MaxTokens = Annotated[int, Field(ge=1)]
+MaxTokens = Annotated[int, Field(ge=1, le=(1 << 31) - 1)]
 
 
 class MessageItem(BaseModel):

@@ -21,10 +21,10 @@ from . import metrics
 from .auth import KeyStore
 from .config import ServerConfig
 from .engines import Engine, create_engine
-from .limits import Limiter
+from .limits import KeyUsage, Limiter
 from .logs import get_logger
 from .protocol import CLOSE_TRY_AGAIN_LATER, SUBPROTOCOLS
-from .transport import Connection
+from .transport import Connection, Handoff
 
 log = get_logger("tokenwire.server")
 
@@ -73,8 +73,11 @@ def http_response(status: HTTPStatus, data: bytes, content_type: str) -> Respons
 
 def static_file(root: Path, relative: str) -> Response | None:
     """A file under `root`, never outside it."""
-    target = (root / relative).resolve()
-    if not target.is_relative_to(root.resolve()) or not target.is_file():
+    try:
+        target = (root / relative).resolve()
+        if not target.is_relative_to(root.resolve()) or not target.is_file():
+            return None
+    except (OSError, ValueError):  # NUL bytes, names too long: not a file of ours
         return None
     kind = CONTENT_TYPES.get(target.suffix, "application/octet-stream")
     return http_response(HTTPStatus.OK, target.read_bytes(), kind)
@@ -84,7 +87,9 @@ class TokenwireServer:
     def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
         self.config = config
         self.engine = engine or create_engine(config)
-        self.connections: set[Connection] = set()
+        self.connections: set[Connection] = set()  # sessions with a socket attached
+        self.sessions: dict[str, Connection] = {}  # every live session, by id
+        self._expiring: set[asyncio.Task[None]] = set()
         self.keys = KeyStore.load(config.api_keys_file, config.api_keys)
         self.limiter = Limiter(config.max_responses_per_key, config.tokens_per_s_per_key)
         # Handshakes that passed auth, waiting for their handler: connection -> key id.
@@ -208,17 +213,62 @@ class TokenwireServer:
             self.limiter.forget_idle(kid)
             await ws.close(CLOSE_TRY_AGAIN_LATER, "too_many_connections")
             return
-        conn = Connection(ws, self.engine, self.config, usage)
-        self.connections.add(conn)
         usage.connections += 1
         metrics.CONNECTIONS.inc()
+        runtime = self._new_session(usage, ws.subprotocol)
+        resume_from: int | None = None
         try:
-            await conn.run()
+            while True:
+                self.connections.add(runtime)
+                try:
+                    outcome = await runtime.serve(ws, resume_from)
+                finally:
+                    self.connections.discard(runtime)
+                if not isinstance(outcome, Handoff):
+                    break
+                # The socket resumes another session; the fresh one never ran.
+                await self._end_session(runtime)
+                runtime, resume_from = outcome.target, outcome.last_seq
+                if runtime.state == "attached" and runtime.ws is not None:
+                    runtime.ws.transport.abort()  # its old socket is dead but did not know
+                await runtime.detached.wait()
+                if runtime.state == "ended":
+                    await ws.close(1011, "the session ended while resuming")
+                    return
+            if outcome == "lost" and self.config.resume_grace_s > 0:
+                # Keep it for a resume; its generations go on meanwhile.
+                runtime.expiry = asyncio.get_running_loop().call_later(
+                    self.config.resume_grace_s, self._expire, runtime
+                )
+            else:
+                await self._end_session(runtime)
         finally:
-            self.connections.discard(conn)
             usage.connections -= 1
             metrics.CONNECTIONS.dec()
             self.limiter.forget_idle(kid)
+
+    def _new_session(self, usage: KeyUsage, subprotocol: str | None) -> Connection:
+        runtime = Connection(self.engine, self.config, usage, self.find_session, subprotocol)
+        self.sessions[runtime.session.id] = runtime
+        return runtime
+
+    def find_session(self, session_id: str, key_id: str | None) -> Connection | None:
+        """A session that can be resumed by this key (others look unknown)."""
+        runtime = self.sessions.get(session_id)
+        if runtime is None or runtime.state == "ended" or runtime.key_id != key_id:
+            return None
+        return runtime
+
+    async def _end_session(self, runtime: Connection) -> None:
+        self.sessions.pop(runtime.session.id, None)
+        await runtime.end()
+
+    def _expire(self, runtime: Connection) -> None:
+        if runtime.state == "detached":
+            runtime.log.info("resume_grace_over")
+            task = asyncio.get_running_loop().create_task(self._end_session(runtime))
+            self._expiring.add(task)
+            task.add_done_callback(self._expiring.discard)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -266,6 +316,8 @@ class TokenwireServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        for runtime in list(self.sessions.values()):
+            await self._end_session(runtime)
         if self._engine_task is not None and not self._engine_task.done():
             self._engine_task.cancel()
         await self.engine.close()

@@ -178,6 +178,10 @@ class Session:
         actions, self._actions = self._actions, []
         return actions
 
+    def update_info(self, **info: Any) -> None:
+        """Facts about the session the transport knows (e.g. its subprotocol)."""
+        self._info.update(info)
+
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "object": "realtime.session", **self._info, **self.config}
 
@@ -190,6 +194,10 @@ class Session:
     def receive_client_event(self, obj: Any) -> None:
         """Take one decoded frame; bad input becomes an `error` event."""
         try:
+            try:
+                p.check_values(obj)  # the transport's decoder checks too; this is the API
+            except ValueError as exc:
+                raise ProtocolError(ErrorCode.MALFORMED_FRAME, str(exc)) from None
             if self._events_bucket is not None and not self._events_bucket.take():
                 event_id = obj.get("event_id") if isinstance(obj, dict) else None
                 raise ProtocolError(
@@ -540,7 +548,7 @@ class Session:
             self._add_output(resp, item)
             resp.current_item = item
         item["content"] += text
-        self.history_bytes += len(text)
+        self.history_bytes += len(text.encode())
         self._emit(
             {
                 "type": "response.output_text.delta",
@@ -567,7 +575,7 @@ class Session:
             self._add_output(resp, item)
             resp.calls[index] = item
         item["arguments"] += arguments
-        self.history_bytes += len(arguments)
+        self.history_bytes += len(arguments.encode())
         self._emit(
             {
                 "type": "response.function_call_arguments.delta",
@@ -638,11 +646,13 @@ class Session:
         except ValueError as exc:
             return f"the arguments are not valid JSON ({exc})"
         try:
-            jsonschema.validate(arguments, tool["parameters"])
-        except jsonschema.ValidationError as exc:
-            return f"the arguments fail the tool's schema: {exc.message}"
-        except jsonschema.SchemaError as exc:
-            return f"the tool's parameters are not a valid JSON schema: {exc.message}"
+            error = jsonschema.exceptions.best_match(
+                _ArgumentsValidator(tool["parameters"]).iter_errors(arguments)
+            )
+        except Exception as exc:  # an unresolvable $ref, a broken schema: the client's tool
+            return f"the tool's parameters schema cannot be used: {type(exc).__name__}: {exc}"
+        if error is not None:
+            return f"the arguments fail the tool's schema: {error.message}"
         return None
 
     def _close_text_item(self, resp: Response, status: str) -> dict[str, Any] | None:
@@ -910,6 +920,18 @@ class Session:
             self._actions.append(AbortGeneration(resp.id, resp.request_id))
             self._requests.pop(resp.request_id, None)
             resp.request_id = None
+
+
+def _skip(validator: Any, value: Any, instance: Any, schema: Any) -> None:
+    return None
+
+
+# Client-supplied regexes would run against model output here, and Python's
+# re has no time limit, so "pattern" is not checked by us (structured
+# outputs enforce it while generating forced calls).
+_ArgumentsValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator, {"pattern": _skip, "patternProperties": _skip}
+)
 
 
 def render_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""The asyncio layer around one WebSocket connection.
+"""The asyncio layer: one session's runtime and the socket it is attached to.
 
 It owns the socket, the tasks and the timers; the `Session` decides and the
 `Outbox` numbers and merges. Backpressure works like the browser's
@@ -8,6 +8,13 @@ when the writer has been blocked for `stall_s`) the session's generations
 pause, freeing their engine slots, and the server stops reading from the
 client; once the outbox drains they resume. A client blocked for
 `slow_client_timeout_s` is closed with 4008.
+
+A runtime outlives a dropped socket: detached, its generations go on (and
+pause at the hard cap, like for a client that reads nothing) until a new
+socket resumes it with `session.resume`, or the grace period ends. Every
+event written is kept in a byte-bounded ring, so a resume replays exactly
+what came after the client's `last_seq`, then continues with what was
+never sent.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import asyncio
 import contextlib
 import socket
 import time
-from typing import Any
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
@@ -26,25 +36,50 @@ from .config import ServerConfig
 from .engines.base import Engine, EngineDelta, EngineError
 from .limits import KeyUsage
 from .logs import get_logger
-from .outbox import Outbox
-from .protocol import CLOSE_IDLE, CLOSE_SLOW_CLIENT, Codec, ErrorCode, ProtocolError, decode_frame
+from .outbox import Outbox, estimate_size
+from .protocol import (
+    CLOSE_IDLE,
+    CLOSE_SLOW_CLIENT,
+    Codec,
+    ErrorCode,
+    ProtocolError,
+    SessionResume,
+    decode_frame,
+    parse_client_event,
+)
 from .session import AbortGeneration, Session, SessionLimits, StartGeneration, StartTimer
 
 log = get_logger("tokenwire.transport")
 
 
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """The socket's first event resumed another session: serve that one on it."""
+
+    target: Connection
+    last_seq: int
+
+
+# What serve() ends with: the client closed cleanly, the socket was lost, or
+# the socket goes to the session it resumed.
+Outcome = Literal["ended", "lost"] | Handoff
+
+
 class Connection:
     def __init__(
         self,
-        ws: ServerConnection,
         engine: Engine,
         config: ServerConfig,
         usage: KeyUsage | None = None,
+        find_session: Callable[[str, str | None], Connection | None] | None = None,
+        subprotocol: str | None = None,
     ) -> None:
-        self.ws = ws
+        self.ws: ServerConnection | None = None
         self.engine = engine
         self.config = config
-        self.codec = Codec(ws.subprotocol)
+        self.usage = usage
+        self._find_session = find_session
+        self.codec = Codec(subprotocol)
         self.session = Session(
             limits=SessionLimits(
                 max_active_responses=config.max_active_responses,
@@ -77,52 +112,153 @@ class Connection:
         self._last_frame = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._closer: asyncio.Task[None] | None = None
+        # "new" | "attached" | "detached" | "ended"
+        self.state = "new"
+        self.detached = asyncio.Event()  # set while no socket is attached
+        self.detached.set()
+        self.expiry: asyncio.TimerHandle | None = None  # end of the resume grace period
+        # Events written to sockets, for replay on resume; bounded in bytes.
+        self.sent: deque[dict[str, Any]] = deque()
+        self._sent_bytes = 0
+        self._first_frame = True
+        self._handoff: Handoff | None = None
         self.log = log.bind(session_id=self.session.id, key_id=usage.key_id if usage else None)
-        if config.sndbuf and ws.transport is not None:
-            sock = ws.transport.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.sndbuf)
+
+    @property
+    def key_id(self) -> str | None:
+        return self.usage.key_id if self.usage else None
 
     @property
     def buffered_amount(self) -> int:
         """Bytes waiting for the client: the socket's write buffer plus our queue."""
-        transport = self.ws.transport
+        transport = self.ws.transport if self.ws is not None and self.state == "attached" else None
         sent = transport.get_write_buffer_size() if transport is not None else 0
         return sent + self.outbox.pending_bytes
 
-    async def run(self) -> None:
-        self.log.info(
-            "session_open", subprotocol=self.codec.subprotocol, remote=str(self.ws.remote_address)
-        )
-        writer = asyncio.create_task(self._write_loop())
+    async def serve(self, ws: ServerConnection, resume_from: int | None = None) -> Outcome:
+        """Run the session on this socket until it closes or hands the socket on."""
+        self._attach(ws)
         loop = asyncio.get_running_loop()
-        self._last_frame = loop.time()
-        self._idle_timer = loop.call_later(self.config.idle_timeout_s, self._check_idle)
-        self._pump()
-        close_reason = "client_closed"
+        writer: asyncio.Task[None] | None = None
+        outcome: Outcome = "lost"
         try:
-            async for frame in self.ws:
+            # Whatever happens from here on (the socket may drop mid-replay),
+            # the finally clause detaches, so a later resume never waits forever.
+            if resume_from is not None:
+                await self._replay(resume_from)
+            writer = asyncio.create_task(self._write_loop())
+            # Events may have queued up while no socket was attached.
+            self._wakeup.set()
+            self._last_frame = loop.time()
+            self._idle_timer = loop.call_later(self.config.idle_timeout_s, self._check_idle)
+            self._pump()
+            async for frame in ws:
                 self._last_frame = loop.time()
                 self._receive(frame)
+                if self._handoff is not None:
+                    outcome = self._handoff
+                    break
                 if not self._drained.is_set():
                     # Upstream backpressure: read nothing more until the client
                     # reads what it asked for (TCP then slows the sender).
                     await self._unless_closed(self._drained.wait())
+            else:
+                outcome = "ended"  # the client closed the connection itself
         except ConnectionClosed as exc:
-            close_reason = f"closed:{exc.rcvd.code if exc.rcvd else 'abnormal'}"
+            if exc.rcvd is not None and exc.rcvd.code in (1000, 1001):
+                outcome = "ended"
         finally:
-            self._cancel_timers()
-            self.session.close()
-            self._pump()
-            pending = list(self.tasks.values())
-            if pending:
-                # Let the engine aborts run before the connection is gone.
-                await asyncio.wait(pending, timeout=5)
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await writer
-            self.outbox.clear()
-            self.log.info("session_closed", reason=close_reason)
+            if writer is not None:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+            self._detach()
+        if self.closed_for is not None:
+            outcome = "ended"  # we closed it (slow or idle): nothing to resume
+        self.log.info("socket_closed", outcome=outcome if isinstance(outcome, str) else "resume")
+        return outcome
+
+    def _attach(self, ws: ServerConnection) -> None:
+        self.ws = ws
+        self.codec = Codec(ws.subprotocol)
+        self.session.update_info(subprotocol=self.codec.subprotocol)
+        self.state = "attached"
+        self.detached.clear()
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
+        if self.config.sndbuf and ws.transport is not None:
+            sock = ws.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.sndbuf)
+        self.log.info(
+            "socket_attached", subprotocol=self.codec.subprotocol, remote=str(ws.remote_address)
+        )
+
+    def _detach(self) -> None:
+        for timer in (self._stall_timer, self._slow_timer, self._idle_timer):
+            if timer is not None:
+                timer.cancel()
+        self._stall_timer = self._slow_timer = self._idle_timer = None
+        if self.state == "attached":
+            self.state = "detached"
+        self.detached.set()
+
+    async def end(self) -> None:
+        """Stop everything the session owns and free it."""
+        if self.state == "ended":
+            return
+        self.state = "ended"
+        self._cancel_timers()
+        if self.expiry is not None:
+            self.expiry.cancel()
+        self.session.close()
+        self._pump()
+        pending = list(self.tasks.values())
+        if pending:
+            # Let the engine aborts run before the session is gone.
+            await asyncio.wait(pending, timeout=5)
+        self.outbox.clear()
+        self.sent.clear()
+        self.detached.set()
+        self.log.info("session_closed")
+
+    def can_resume(self, last_seq: int) -> str | None:
+        """Why `last_seq` cannot be resumed from, or None."""
+        last_sent = self.sent[-1]["seq"] if self.sent else self.outbox.next_seq - 1
+        if last_seq > last_sent:
+            return f"last_seq {last_seq} is past the last event sent ({last_sent})"
+        oldest = self.sent[0]["seq"] if self.sent else last_sent + 1
+        if last_seq + 1 < oldest:
+            return (
+                f"events after {last_seq} are no longer kept (the oldest is {oldest}); "
+                "start a new session"
+            )
+        return None
+
+    async def _replay(self, last_seq: int) -> None:
+        """Resend what came after last_seq, then announce the resume."""
+        assert self.ws is not None
+        replayed = 0
+        for event in list(self.sent):
+            if event["seq"] > last_seq:
+                await self.ws.send(self.codec.encode(event))
+                replayed += 1
+        self.outbox.push_front(
+            {
+                "type": "session.resumed",
+                "session": self.session.describe(),
+                "last_seq": last_seq,
+                "replayed": replayed,
+            }
+        )
+        self.log.info("session_resumed", last_seq=last_seq, replayed=replayed)
+
+    def _remember(self, event: dict[str, Any]) -> None:
+        self.sent.append(event)
+        self._sent_bytes += estimate_size(event)
+        while self._sent_bytes > self.config.resume_log_bytes and len(self.sent) > 1:
+            self._sent_bytes -= estimate_size(self.sent.popleft())
 
     def _receive(self, frame: str | bytes) -> None:
         try:
@@ -130,8 +266,41 @@ class Connection:
         except ProtocolError as err:
             self.session.receive_protocol_error(err)
         else:
-            self.session.receive_client_event(obj)
+            first, self._first_frame = self._first_frame, False
+            if first and isinstance(obj, dict) and obj.get("type") == "session.resume":
+                self._resume_request(obj)
+            else:
+                self.session.receive_client_event(obj)
         self._pump()
+
+    def _resume_request(self, obj: dict[str, Any]) -> None:
+        """The first event asks to resume another session onto this socket."""
+        try:
+            event = parse_client_event(obj)
+            assert isinstance(event, SessionResume)
+            target = (
+                self._find_session(event.session_id, self.key_id) if self._find_session else None
+            )
+            if target is None or target is self:
+                raise ProtocolError(
+                    ErrorCode.SESSION_NOT_FOUND,
+                    f"no session {event.session_id!r} to resume (unknown, or its grace period "
+                    "ended); start a new session",
+                    event_id=event.event_id,
+                    param="session_id",
+                )
+            problem = target.can_resume(event.last_seq)
+            if problem is not None:
+                raise ProtocolError(
+                    ErrorCode.RESUME_NOT_POSSIBLE,
+                    problem,
+                    event_id=event.event_id,
+                    param="last_seq",
+                )
+        except ProtocolError as err:
+            self.session.receive_protocol_error(err)
+            return
+        self._handoff = Handoff(target, event.last_seq)
 
     def _pump(self) -> None:
         """Carry out what the session asked for, then queue its events."""
@@ -164,7 +333,8 @@ class Connection:
             self._wakeup.set()
             buffered = self.buffered_amount
             if buffered > self.config.outbound_high_water:
-                self._arm_clocks()
+                if self.state == "attached":
+                    self._arm_clocks()
                 if buffered > self.config.outbound_hard_cap:
                     self._fall_behind("hard_cap")
 
@@ -180,8 +350,11 @@ class Connection:
             )
 
     def _fall_behind(self, why: str) -> None:
-        self._drained.clear()
-        self.outbox.compact()
+        if self._drained.is_set():  # newly behind: compact once, not on every event
+            self._drained.clear()
+            self.outbox.compact()
+        # Every time, though: a frame read just before the pause may have
+        # started a generation.
         paused = self.session.pause()
         self._pump()
         if paused:
@@ -276,6 +449,8 @@ class Connection:
 
     async def _write_loop(self) -> None:
         high_water = self.config.outbound_high_water
+        ws = self.ws
+        assert ws is not None
         try:
             while True:
                 await self._wakeup.wait()
@@ -287,8 +462,14 @@ class Connection:
                         break
                     if behind:
                         self._arm_clocks()  # the send below may block on a slow reader
-                    await self.ws.send(self.codec.encode(event))
-                if self._stall_timer or self._slow_timer or not self._drained.is_set():
+                    self._remember(event)
+                    await ws.send(self.codec.encode(event))
+                if (
+                    self.paused
+                    or self._stall_timer
+                    or self._slow_timer
+                    or not self._drained.is_set()
+                ):
                     # The queue is empty, but the socket may still hold what
                     # the client has not read: wait until it has.
                     await self._wait_socket_below(high_water // 2)

@@ -1,0 +1,196 @@
+"""Resume after disconnect (single instance, in-memory event log)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+
+from tokenwire.config import ServerConfig
+from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.server import TokenwireServer
+
+from .conftest import RunningServer
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[RunningServer]:
+    config = ServerConfig(engine="scripted", port=0, scripted_tokens_per_s=2000,
+                          resume_grace_s=2.0, max_events_per_s=0)
+    srv = TokenwireServer(config, ScriptedEngine(tokens_per_s=2000))
+    await srv.start()
+    yield RunningServer(srv)
+    await srv.close()
+
+
+class Wire:
+    """A bare client that speaks either subprotocol."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.binary = ws.subprotocol == "tokenwire.v1.msgpack"
+
+    @classmethod
+    async def open(cls, url: str, protocol: str = "json") -> Wire:
+        return cls(await ws_connect(url, subprotocols=[f"tokenwire.v1.{protocol}"]))  # type: ignore[list-item]
+
+    async def send(self, event: dict) -> None:
+        await self.ws.send(msgpack.packb(event) if self.binary else json.dumps(event))
+
+    async def recv(self) -> dict:
+        frame = await asyncio.wait_for(self.ws.recv(), 10)
+        return msgpack.unpackb(frame) if isinstance(frame, bytes) else json.loads(frame)
+
+
+def expected(n: int) -> str:
+    return "".join(f" t{i}" for i in range(n))
+
+
+async def start_stream(url: str, tokens: int) -> tuple[Wire, str]:
+    wire = await Wire.open(url)
+    created = await wire.recv()
+    await wire.send({"type": "response.create",
+                     "response": {"ignore_eos": True, "max_output_tokens": tokens}})
+    return wire, created["session"]["id"]
+
+
+async def resume(url: str, session_id: str, last_seq: int, protocol: str = "json"
+                 ) -> tuple[Wire, dict]:
+    wire = await Wire.open(url, protocol)
+    fresh = await wire.recv()  # the new socket's own session, dropped by the resume
+    assert fresh["type"] == "session.created" and fresh["session"]["id"] != session_id
+    await wire.send({"type": "session.resume", "session_id": session_id, "last_seq": last_seq,
+                     "event_id": "r"})
+    return wire, fresh
+
+
+async def test_resume_replays_then_continues(server: RunningServer) -> None:
+    n = 3000
+    wire, sid = await start_stream(server.url, n)
+    text, seqs = "", [1]  # start_stream read session.created
+    while len(seqs) < 200:
+        event = await wire.recv()
+        seqs.append(event["seq"])
+        text += event.get("delta", "")
+    wire.ws.transport.abort()  # the network drops
+    await asyncio.sleep(0.2)  # generation goes on meanwhile
+    wire, _ = await resume(server.url, sid, seqs[-1], protocol="msgpack")
+    resumed = None
+    while True:
+        event = await wire.recv()
+        if event["type"] == "session.resumed":
+            resumed = event
+        seqs.append(event["seq"])
+        text += event.get("delta", "")
+        if event["type"] == "response.done":
+            break
+    assert resumed is not None and resumed["session"]["id"] == sid
+    assert resumed["last_seq"] == 200
+    # Replayed events come first, then session.resumed, then what was never sent.
+    assert resumed["seq"] == 200 + resumed["replayed"] + 1
+    assert resumed["session"]["subprotocol"] == "tokenwire.v1.msgpack"
+    assert seqs == list(range(1, len(seqs) + 1))  # no gap, no duplicate
+    assert text == expected(n)
+    assert event["response"]["status"] == "completed"
+    await wire.ws.close()
+
+
+async def test_hundred_random_disconnects(server: RunningServer) -> None:
+    rng = random.Random(20261122)
+    n = 6000
+    wire, sid = await start_stream(server.url, n)
+    text, last_seq, done, drops = "", 1, None, 0  # start_stream read seq 1
+    while done is None:
+        budget = rng.randint(0, 60) if drops < 100 else 10**9
+        try:
+            for _ in range(budget):
+                event = await wire.recv()
+                assert event["seq"] == last_seq + 1, (event["seq"], last_seq)
+                last_seq = event["seq"]
+                text += event.get("delta", "")
+                if event["type"] == "response.done":
+                    done = event["response"]
+                    break
+        finally:
+            if done is None:
+                wire.ws.transport.abort()
+        if done is None:
+            drops += 1
+            wire, _ = await resume(server.url, sid, last_seq, rng.choice(["json", "msgpack"]))
+    assert drops == 100
+    assert done["status"] == "completed"
+    assert text == expected(n)
+    await wire.ws.close()
+
+
+async def test_unknown_session(server: RunningServer) -> None:
+    wire, fresh = await resume(server.url, "sess_nope", 3)
+    error = await wire.recv()
+    assert error["type"] == "error" and error["error"]["code"] == "session_not_found"
+    assert error["error"]["event_id"] == "r"
+    # The socket carries on with its own new session.
+    await wire.send({"type": "conversation.item.create",
+                     "item": {"type": "message", "role": "user", "content": "hi"}})
+    assert (await wire.recv())["type"] == "conversation.item.created"
+
+
+async def test_resume_from_the_future_is_refused(server: RunningServer) -> None:
+    wire, sid = await start_stream(server.url, 10)
+    while (await wire.recv())["type"] != "response.done":
+        pass
+    wire.ws.transport.abort()
+    await asyncio.sleep(0.05)
+    wire, _ = await resume(server.url, sid, 10_000)
+    error = await wire.recv()
+    assert error["error"]["code"] == "resume_not_possible"
+
+
+async def test_grace_period_ends_the_session(server: RunningServer) -> None:
+    wire, sid = await start_stream(server.url, 10**7)
+    await wire.recv()
+    wire.ws.transport.abort()
+    await asyncio.sleep(0.3)
+    assert sid in server.server.sessions  # held for a resume...
+    for _ in range(100):  # ...until the 2 s grace period is over
+        if sid not in server.server.sessions:
+            break
+        await asyncio.sleep(0.05)
+    assert sid not in server.server.sessions
+    assert server.server.engine.load().running == 0
+    wire, _ = await resume(server.url, sid, 1)
+    assert (await wire.recv())["error"]["code"] == "session_not_found"
+
+
+async def test_clean_close_ends_at_once(server: RunningServer) -> None:
+    wire, sid = await start_stream(server.url, 10**7)
+    await wire.recv()
+    await wire.ws.close()  # 1000: the client means it
+    for _ in range(50):
+        if sid not in server.server.sessions:
+            break
+        await asyncio.sleep(0.02)
+    assert sid not in server.server.sessions
+    assert server.server.engine.load().running == 0
+
+
+async def test_resume_while_the_old_socket_looks_alive(server: RunningServer) -> None:
+    """A half-open old socket is taken over: the new one wins."""
+    wire, sid = await start_stream(server.url, 4000)
+    last = 0
+    for _ in range(50):
+        last = (await wire.recv())["seq"]
+    new, _ = await resume(server.url, sid, last)  # the old socket was never closed
+    text_seqs = []
+    while True:
+        event = await new.recv()
+        text_seqs.append(event["seq"])
+        if event["type"] == "response.done":
+            break
+    assert text_seqs == list(range(last + 1, last + 1 + len(text_seqs)))
+    await new.ws.close()
