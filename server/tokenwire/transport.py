@@ -36,7 +36,7 @@ from .config import ServerConfig
 from .engines.base import Engine, EngineDelta, EngineError
 from .limits import KeyUsage
 from .logs import get_logger
-from .outbox import Outbox, estimate_size
+from .outbox import Outbox
 from .protocol import (
     CLOSE_IDLE,
     CLOSE_SLOW_CLIENT,
@@ -117,8 +117,9 @@ class Connection:
         self.detached = asyncio.Event()  # set while no socket is attached
         self.detached.set()
         self.expiry: asyncio.TimerHandle | None = None  # end of the resume grace period
-        # Events written to sockets, for replay on resume; bounded in bytes.
-        self.sent: deque[dict[str, Any]] = deque()
+        # (seq, frame) of events written to sockets, for replay on resume;
+        # bounded in bytes. Frames, not dicts: a third of the memory.
+        self.sent: deque[tuple[int, str | bytes]] = deque()
         self._sent_bytes = 0
         self._first_frame = True
         self._handoff: Handoff | None = None
@@ -225,10 +226,10 @@ class Connection:
 
     def can_resume(self, last_seq: int) -> str | None:
         """Why `last_seq` cannot be resumed from, or None."""
-        last_sent = self.sent[-1]["seq"] if self.sent else self.outbox.next_seq - 1
+        last_sent = self.sent[-1][0] if self.sent else self.outbox.next_seq - 1
         if last_seq > last_sent:
             return f"last_seq {last_seq} is past the last event sent ({last_sent})"
-        oldest = self.sent[0]["seq"] if self.sent else last_sent + 1
+        oldest = self.sent[0][0] if self.sent else last_sent + 1
         if last_seq + 1 < oldest:
             return (
                 f"events after {last_seq} are no longer kept (the oldest is {oldest}); "
@@ -240,9 +241,11 @@ class Connection:
         """Resend what came after last_seq, then announce the resume."""
         assert self.ws is not None
         replayed = 0
-        for event in list(self.sent):
-            if event["seq"] > last_seq:
-                await self.ws.send(self.codec.encode(event))
+        for seq, frame in list(self.sent):
+            if seq > last_seq:
+                if isinstance(frame, bytes) != self.codec.binary:  # the subprotocol changed
+                    frame = self.codec.encode(decode_frame(frame))
+                await self.ws.send(frame)
                 replayed += 1
         self.outbox.push_front(
             {
@@ -254,11 +257,11 @@ class Connection:
         )
         self.log.info("session_resumed", last_seq=last_seq, replayed=replayed)
 
-    def _remember(self, event: dict[str, Any]) -> None:
-        self.sent.append(event)
-        self._sent_bytes += estimate_size(event)
+    def _remember(self, seq: int, frame: str | bytes) -> None:
+        self.sent.append((seq, frame))
+        self._sent_bytes += len(frame)
         while self._sent_bytes > self.config.resume_log_bytes and len(self.sent) > 1:
-            self._sent_bytes -= estimate_size(self.sent.popleft())
+            self._sent_bytes -= len(self.sent.popleft()[1])
 
     def _receive(self, frame: str | bytes) -> None:
         try:
@@ -462,8 +465,9 @@ class Connection:
                         break
                     if behind:
                         self._arm_clocks()  # the send below may block on a slow reader
-                    self._remember(event)
-                    await ws.send(self.codec.encode(event))
+                    frame = self.codec.encode(event)
+                    self._remember(event["seq"], frame)
+                    await ws.send(frame)
                 if (
                     self.paused
                     or self._stall_timer
