@@ -204,7 +204,9 @@ class Session:
                     ErrorCode.RATE_LIMIT_EXCEEDED,
                     f"more than {self.limits.max_events_per_s:g} events per second; this one "
                     "was dropped",
-                    event_id=event_id if isinstance(event_id, str) else None,
+                    event_id=event_id
+                    if isinstance(event_id, str) and len(event_id) <= 128
+                    else None,
                 )
             event = p.parse_client_event(obj)
             getattr(self, "_on_" + event.type.replace(".", "_"))(event)
