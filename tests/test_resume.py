@@ -130,7 +130,7 @@ async def test_hundred_random_disconnects(server: RunningServer) -> None:
 
 
 async def test_unknown_session(server: RunningServer) -> None:
-    wire, fresh = await resume(server.url, "sess_nope", 3)
+    wire, _ = await resume(server.url, "sess_nope", 3)
     error = await wire.recv()
     assert error["type"] == "error" and error["error"]["code"] == "session_not_found"
     assert error["error"]["event_id"] == "r"

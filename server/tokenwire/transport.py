@@ -146,6 +146,7 @@ class Connection:
             # Whatever happens from here on (the socket may drop mid-replay),
             # the finally clause detaches, so a later resume never waits forever.
             if resume_from is not None:
+                self._first_frame = False  # a resumed socket resumes nothing else
                 await self._replay(resume_from)
             writer = asyncio.create_task(self._write_loop())
             # Events may have queued up while no socket was attached.
