@@ -21,8 +21,13 @@ from .conftest import RunningServer
 
 @pytest.fixture
 async def server() -> AsyncIterator[RunningServer]:
-    config = ServerConfig(engine="scripted", port=0, scripted_tokens_per_s=2000,
-                          resume_grace_s=2.0, max_events_per_s=0)
+    config = ServerConfig(
+        engine="scripted",
+        port=0,
+        scripted_tokens_per_s=2000,
+        resume_grace_s=2.0,
+        max_events_per_s=0,
+    )
     srv = TokenwireServer(config, ScriptedEngine(tokens_per_s=2000))
     await srv.start()
     yield RunningServer(srv)
@@ -55,18 +60,21 @@ def expected(n: int) -> str:
 async def start_stream(url: str, tokens: int) -> tuple[Wire, str]:
     wire = await Wire.open(url)
     created = await wire.recv()
-    await wire.send({"type": "response.create",
-                     "response": {"ignore_eos": True, "max_output_tokens": tokens}})
+    await wire.send(
+        {"type": "response.create", "response": {"ignore_eos": True, "max_output_tokens": tokens}}
+    )
     return wire, created["session"]["id"]
 
 
-async def resume(url: str, session_id: str, last_seq: int, protocol: str = "json"
-                 ) -> tuple[Wire, dict]:
+async def resume(
+    url: str, session_id: str, last_seq: int, protocol: str = "json"
+) -> tuple[Wire, dict]:
     wire = await Wire.open(url, protocol)
     fresh = await wire.recv()  # the new socket's own session, dropped by the resume
     assert fresh["type"] == "session.created" and fresh["session"]["id"] != session_id
-    await wire.send({"type": "session.resume", "session_id": session_id, "last_seq": last_seq,
-                     "event_id": "r"})
+    await wire.send(
+        {"type": "session.resume", "session_id": session_id, "last_seq": last_seq, "event_id": "r"}
+    )
     return wire, fresh
 
 
@@ -135,8 +143,12 @@ async def test_unknown_session(server: RunningServer) -> None:
     assert error["type"] == "error" and error["error"]["code"] == "session_not_found"
     assert error["error"]["event_id"] == "r"
     # The socket carries on with its own new session.
-    await wire.send({"type": "conversation.item.create",
-                     "item": {"type": "message", "role": "user", "content": "hi"}})
+    await wire.send(
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "hi"},
+        }
+    )
     assert (await wire.recv())["type"] == "conversation.item.created"
 
 
