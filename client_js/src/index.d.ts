@@ -265,7 +265,8 @@ export class Session {
 
   /**
    * Server events by type, every server event ("event"), or lifecycle events:
-   * open, reconnecting {attempt, delayMs, code, reason}, reconnected {attempt},
+   * open, reconnecting {attempt, delayMs, code, reason}, reconnected {attempt} (the
+   * socket is back; the server event "session.resumed" confirms the resume),
    * resumefailed {previousSessionId, sessionId, error}, close {code, reason, error},
    * toolerror {call, error}, decodeerror. Returns an unsubscribe function.
    */

@@ -715,8 +715,11 @@ export class Session {
     const type = event.type;
     const resume = this._resume;
     if (resume) {
-      // On a resuming connection the server may announce a fresh session
-      // first; hold it until we know whether the resume worked.
+      // A resuming connection first gets its own fresh session.created (another
+      // session id): hold it until we know whether the resume worked. Then the
+      // server either replays the old session's events after last_seq (original
+      // seq numbers, handled as usual below) and confirms with session.resumed,
+      // or refuses with an error echoing the resume's event_id.
       if (type === "session.created" && event.session?.id !== this.id) {
         resume.newSession = event;
         return;
@@ -725,13 +728,15 @@ export class Session {
         this._resumeFailed(event);
         return;
       }
-      if (typeof event.seq === "number" && event.seq > resume.oldSeq) this._resume = null;
+      if (type === "session.resumed") this._resume = null;
     }
     if (typeof event.seq === "number") {
       if (event.seq <= this.lastSeq) return; // a replayed event we already have
       this.lastSeq = event.seq;
     }
-    if (type === "session.created" || type === "session.updated") {
+    if (type === "session.resumed") {
+      if (event.session) this.session = event.session;
+    } else if (type === "session.created" || type === "session.updated") {
       this.session = event.session;
       this.id = event.session.id;
       if (type === "session.created" && this.state === "connecting") {

@@ -6,9 +6,8 @@
 // lost the old session, so the resume is refused: what was in flight fails
 // with `resume_failed` and the client goes on in the new session.
 //
-// End-to-end resume (replay after last_seq into the same Response) needs the
-// server's session.resume, which is not implemented yet; the client side of it
-// is covered in unit.test.js with a scripted socket.
+// A successful end-to-end resume (the server still holds the session) is in
+// resume.test.js.
 
 import assert from "node:assert/strict";
 import { after, test } from "node:test";

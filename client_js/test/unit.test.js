@@ -159,16 +159,22 @@ describe("reconnect and resume (client side)", () => {
     const create2 = sock2.sent[1];
     assert.equal(create2.type, "conversation.item.create");
 
-    // The server replays from its log (seq 3 again), then goes on live.
+    // What the server does: the new socket first gets its own fresh session
+    // (ignored), then the old session's events after last_seq (seq 3 again
+    // here, to check duplicates are dropped), then session.resumed, then live.
+    sock2.push({ type: "session.created", session: { ...SESSION, id: "sess_fresh" }, seq: 1 });
     sock2.push({ type: "response.output_text.delta", response_id: "resp_1", item_id: "item_1", delta: "Hel", seq: 3 });
     sock2.push({ type: "response.output_text.delta", response_id: "resp_1", item_id: "item_1", delta: "lo", seq: 4 });
+    assert.equal(session.id, "sess_a");
+    sock2.push({ type: "session.resumed", session: SESSION, last_seq: 3, replayed: 1, seq: 5 });
+    assert.equal(session._resume, null);
     sock2.push({
       type: "conversation.item.created",
       item: { id: "item_2", type: "message", role: "user", content: "while away", status: "completed" },
       event_id: create2.event_id,
-      seq: 5,
+      seq: 6,
     });
-    sock2.push({ type: "response.output_text.done", response_id: "resp_1", item_id: "item_1", text: "Hello", seq: 6 });
+    sock2.push({ type: "response.output_text.done", response_id: "resp_1", item_id: "item_1", text: "Hello", seq: 7 });
     sock2.push({
       type: "response.done",
       response: {
@@ -176,7 +182,7 @@ describe("reconnect and resume (client side)", () => {
         status: "completed",
         output: [{ id: "item_1", type: "message", role: "assistant", content: "Hello", status: "completed" }],
       },
-      seq: 7,
+      seq: 8,
     });
     const deltas = [];
     for await (const d of r.text()) deltas.push(d);
@@ -184,12 +190,13 @@ describe("reconnect and resume (client side)", () => {
     assert.equal(await r.text(), "Hello");
     assert.equal((await added).id, "item_2");
     assert.deepEqual(events, ["reconnecting", "reconnected"]);
-    assert.equal(session.lastSeq, 7);
+    assert.equal(session.lastSeq, 8);
+    assert.equal(session.id, "sess_a");
     assert.equal(session.state, "open");
     await session.close();
   });
 
-  test("a refused resume fails what was in flight and goes on with the new session", async () => {
+  for (const code of ["session_not_found", "resume_not_possible"]) test(`a refused resume (${code}) fails what was in flight and goes on with the new session`, async () => {
     const { session, sock, fake } = await fakeSession({ reconnect: { random: () => 0 } });
     const r = session.createResponse();
     await until(() => sock.sent.length === 1);
@@ -204,17 +211,17 @@ describe("reconnect and resume (client side)", () => {
     const sock2 = await fake.socket(1);
     sock2.accept();
     const resume = sock2.sent[0];
-    // What today's server does: a fresh session, then invalid_state.
+    // What the server does: a fresh session, then an error on it.
     sock2.push({ type: "session.created", session: { ...SESSION, id: "sess_b" }, seq: 1 });
     sock2.push({
       type: "error",
-      error: { type: "invalid_request_error", code: "invalid_state", message: "no", event_id: resume.event_id },
+      error: { type: "invalid_request_error", code, message: "no", event_id: resume.event_id },
       seq: 2,
     });
     const info = await failed;
     assert.equal(info.previousSessionId, "sess_a");
     assert.equal(info.sessionId, "sess_b");
-    await assert.rejects(r.done(), (err) => err instanceof TokenwireError && err.code === "resume_failed");
+    await assert.rejects(r.done(), (err) => err instanceof TokenwireError && err.code === "resume_failed" && err.error.cause_code === code);
     assert.equal(session.id, "sess_b");
     assert.equal(session.lastSeq, 2);
     // The session works on.
