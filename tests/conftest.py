@@ -11,6 +11,8 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,65 @@ def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
+
+
+@dataclass
+class Spawned:
+    proc: subprocess.Popen
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def spawn_server(
+    *args: str,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    ready_timeout: float = 60.0,
+) -> Iterator[Spawned]:
+    """`tokenwire serve ARGS --port FREE` in a subprocess, until /readyz says 200."""
+    port = free_port()
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenwire", "serve", *args, "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    tail = (lambda: log_path.read_text()[-4000:]) if log_path else (lambda: "(no log)")
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tokenwire serve exited:\n{tail()}")
+            try:
+                status, body = http_json(f"http://127.0.0.1:{port}/readyz", timeout=2)
+                if status == 200:
+                    break
+                if body.get("error"):
+                    raise RuntimeError(f"engine failed: {body['error']}")
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tokenwire serve not ready:\n{tail()}")
+            time.sleep(0.1)
+        yield Spawned(proc, port)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log_path:
+            log.close()  # type: ignore[union-attr]
 
 
 class RunningServer:
@@ -115,50 +176,17 @@ class VllmServer:
 @pytest.fixture(scope="session")
 def vllm_server() -> Iterator[VllmServer]:
     """One real `tokenwire serve --engine vllm` (SmolLM2 on the CPU) for the whole run."""
-    port = free_port()
     ARTIFACTS.mkdir(exist_ok=True)
     log_path = ARTIFACTS / "vllm-server.log"
     env = dict(os.environ, TOKENWIRE_KV_CACHE_GIB="1", TOKENWIRE_LOG_LEVEL="info")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenwire",
-                "serve",
-                "--engine",
-                "vllm",
-                "--port",
-                str(port),
-                # Small socket buffer and caps, so a client that stops reading
-                # trips the pause on loopback within seconds (see test_vllm_backpressure).
-                *VLLM_BACKPRESSURE_FLAGS,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    server = VllmServer(port, proc, log_path)
-    deadline = time.monotonic() + 600
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited:\n{log_path.read_text()[-4000:]}")
-            try:
-                status, body = http_json(server.http + "/readyz", timeout=2)
-                if status == 200:
-                    break
-                if body.get("error"):
-                    raise RuntimeError(f"engine failed: {body['error']}")
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server not ready:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    # Small socket buffer and caps, so a client that stops reading trips the
+    # pause on loopback within seconds (see test_vllm_backpressure).
+    with spawn_server(
+        "--engine",
+        "vllm",
+        *VLLM_BACKPRESSURE_FLAGS,
+        env=env,
+        log_path=log_path,
+        ready_timeout=600,
+    ) as spawned:
+        yield VllmServer(spawned.port, spawned.proc, log_path)

@@ -17,7 +17,7 @@ from tokenwire.client import TokenwireError, connect
 from tokenwire.config import ServerConfig
 from tokenwire.protocol import CLOSE_IDLE
 
-from .conftest import _scripted_server, free_port, http_json
+from .conftest import _scripted_server, free_port, http_json, spawn_server
 
 KEY = "tw-test-key-0123456789"
 OTHER = "tw-other-key-9876543210"
@@ -94,23 +94,8 @@ def test_non_loopback_without_keys_is_refused() -> None:
     refused = subprocess.run(base, capture_output=True, text=True, timeout=60, env=env)
     assert refused.returncode == 2
     assert "--api-keys-file" in refused.stderr and "--insecure" in refused.stderr
-    proc = subprocess.Popen(
-        [*base, "--insecure"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        port = int(base[-1])
-        for _ in range(100):
-            try:
-                if http_json(f"http://127.0.0.1:{port}/healthz")[0] == 200:
-                    break
-            except OSError:
-                import time
-
-                time.sleep(0.1)
-        assert http_json(f"http://127.0.0.1:{port}/healthz")[0] == 200
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with spawn_server("--engine", "scripted", "--host", "0.0.0.0", "--insecure", env=env) as srv:
+        assert http_json(srv.http + "/healthz")[0] == 200
 
 
 async def test_origin_allow_list() -> None:
@@ -239,46 +224,24 @@ async def test_metrics_endpoint() -> None:
 def test_logs_never_contain_keys(tmp_path) -> None:
     keys = tmp_path / "keys"
     keys.write_text(KEY + "\n")
-    port = free_port()
     log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenwire",
-                "serve",
-                "--engine",
-                "scripted",
-                "--port",
-                str(port),
-                "--api-keys-file",
-                str(keys),
-                "--log-level",
-                "debug",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
+    with spawn_server(
+        "--engine",
+        "scripted",
+        "--api-keys-file",
+        str(keys),
+        "--log-level",
+        "debug",
+        log_path=log_path,
+    ) as srv:
 
         async def talk() -> None:
-            for _ in range(100):
-                try:
-                    async with await connect(
-                        f"ws://127.0.0.1:{port}/v1/realtime", api_key=KEY
-                    ) as tw:
-                        await tw.ask("secret handshake")
-                    break
-                except OSError:
-                    await asyncio.sleep(0.1)
+            async with await connect(srv.url, api_key=KEY) as tw:
+                await tw.ask("secret handshake")
             with pytest.raises(InvalidStatus):
-                await connect(f"ws://127.0.0.1:{port}/v1/realtime", api_key=KEY + "x")
+                await connect(srv.url, api_key=KEY + "x")
 
         asyncio.run(talk())
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     text = log_path.read_text()
     assert "response_done" in text and key_id(KEY) in text
     assert KEY not in text
