@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import socket
 import subprocess
@@ -9,11 +11,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 SCRATCH = Path(__file__).resolve().parent / "scratch"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def free_port() -> int:
@@ -52,3 +56,24 @@ def tokenwire_server(*args: str, timeout: float = 600) -> Iterator[str]:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def run_on_vllm(
+    description: str,
+    name: str,
+    run: Callable[[str, int], Coroutine[Any, Any, dict[str, Any]]],
+) -> dict[str, Any]:
+    """Parse --url/--trials, run against that server or a fresh vLLM one, and
+    save the report as results/NAME.json."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--url", help="an already running tokenwire server")
+    parser.add_argument("--trials", type=int, default=5)
+    args = parser.parse_args()
+    if args.url:
+        report = asyncio.run(run(args.url, args.trials))
+    else:
+        with tokenwire_server("--engine", "vllm") as url:
+            report = asyncio.run(run(url, args.trials))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -10,18 +10,13 @@ response.create sent -> first text delta received.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 import statistics
 import time
-from pathlib import Path
 
 from tokenwire.client import connect
 
-from ._server import tokenwire_server
+from ._server import RESULTS, run_on_vllm
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "What is the capital of France?"
 
 
@@ -59,17 +54,7 @@ async def run(url: str, trials: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--url")
-    parser.add_argument("--trials", type=int, default=5)
-    args = parser.parse_args()
-    if args.url:
-        report = asyncio.run(run(args.url, args.trials))
-    else:
-        with tokenwire_server("--engine", "vllm") as url:
-            report = asyncio.run(run(url, args.trials))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "first_answer.json").write_text(json.dumps(report, indent=2))
+    report = run_on_vllm(__doc__ or "", "first_answer", run)
     lines = [
         "| trial | TTFT (ms) | tokens/s | output tokens | cached tokens |",
         "|---|---|---|---|---|",

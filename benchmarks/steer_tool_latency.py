@@ -13,19 +13,15 @@ All measured by the client, in one run, so the ratios compare like with like.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import secrets
 import statistics
 import time
-from pathlib import Path
 
 from tokenwire.client import Client, connect
 
-from ._server import tokenwire_server
+from ._server import RESULTS, run_on_vllm
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FILLER = (
     "You are a careful assistant for a travel company. Answer questions about European "
     "cities, their weather, their history and their food. Keep answers short and factual. "
@@ -153,17 +149,7 @@ async def run(url: str, trials: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--url")
-    parser.add_argument("--trials", type=int, default=5)
-    args = parser.parse_args()
-    if args.url:
-        report = asyncio.run(run(args.url, args.trials))
-    else:
-        with tokenwire_server("--engine", "vllm") as url:
-            report = asyncio.run(run(url, args.trials))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "steer_tool_latency.json").write_text(json.dumps(report, indent=2))
+    report = run_on_vllm(__doc__ or "", "steer_tool_latency", run)
     m, r = report["median"], report["ratios"]
     t0 = report["trials"][0]
     lines = [
