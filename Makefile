@@ -76,3 +76,11 @@ format: install-test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts client_js/node_modules
+
+# Every benchmark, one after the other (they must not share the 2 cores);
+# results go to benchmarks/results/. About 10 minutes.
+bench: install-test model
+	$(BIN)/python -m benchmarks.first_answer
+	$(BIN)/python -m benchmarks.steer_tool_latency
+	$(BIN)/python -m benchmarks.backpressure
+	$(BIN)/python -m benchmarks.vs_vllm
