@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .protocol import ErrorCode
 
@@ -55,7 +55,6 @@ class KeyUsage:
     tokens: TokenBucket | None
     connections: int = 0
     responses: int = 0
-    _held: set[int] = field(default_factory=set)
 
     def acquire_response(self) -> tuple[ErrorCode, str] | None:
         """Reserve a response slot, or say why not."""

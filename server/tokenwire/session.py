@@ -239,7 +239,9 @@ class Session:
             self._receive_call_output(ev.item, ev.event_id)
             return
         item = self._new_item(ev.item, ev.event_id)
-        self._admit(len(ev.item.content.encode()), ev.event_id)
+        size = len(ev.item.content.encode())
+        self._check_room(size, ev.event_id)
+        self.history_bytes += size
         previous = ev.previous_item_id or (self.items[-1]["id"] if self.items else None)
         self._insert_item(item, ev.previous_item_id)
         self._emit_item_created(item, previous, ev.event_id)
@@ -352,11 +354,11 @@ class Session:
             except EngineError as exc:
                 raise ProtocolError(exc.code, exc.message, event_id=ev.event_id) from None
         size = sum(len(i["content"].encode()) for i in inputs)
-        self._admit(size, ev.event_id)
+        self._check_room(size, ev.event_id)
         # Last check: from here on the response exists and holds its slot.
         if self._quota is not None and (problem := self._quota.acquire_response()):
-            self.history_bytes -= size
             raise ProtocolError(problem[0], problem[1], event_id=ev.event_id)
+        self.history_bytes += size
         if in_conversation:
             for item in inputs:
                 previous = self.items[-1]["id"] if self.items else None
@@ -380,8 +382,8 @@ class Session:
                 "steered (send the pending function_call_output items instead)",
                 event_id=ev.event_id,
             )
-        if self.history_bytes + len(ev.input.encode()) > self.limits.max_conversation_bytes:
-            self._admit(len(ev.input.encode()), ev.event_id)  # raises
+        size = len(ev.input.encode())
+        self._check_room(size, ev.event_id)
         steer_item = self._make_item({"type": "message", "role": "user", "content": ev.input})
         # The partial text is already in the context; the steer goes after it.
         # Check that exact request first, so a steer that cannot fit leaves
@@ -392,7 +394,7 @@ class Session:
                 self._check_request(request)
             except EngineError as exc:
                 raise ProtocolError(exc.code, exc.message, event_id=ev.event_id) from None
-        self.history_bytes += len(ev.input.encode())
+        self.history_bytes += size
         self._abort_current(resp)
         previous = self._close_text_item(resp, "incomplete")
         self._drop_partial_calls(resp)
@@ -442,7 +444,8 @@ class Session:
                 param="item.call_id",
             )
         item = self._new_item(raw, event_id)
-        self._admit(len(raw.output.encode()), event_id)
+        self._check_room(len(raw.output.encode()), event_id)
+        self.history_bytes += len(raw.output.encode())
         self._calls[raw.call_id] = (call_item, response_id, True)
         context = resp.context if resp is not None else self.items
         previous = context[-1]["id"] if context else None
@@ -829,8 +832,9 @@ class Session:
         item.setdefault("status", "completed")
         return item
 
-    def _admit(self, text_bytes: int, event_id: str | None) -> None:
-        """Count new client text against the conversation's cap."""
+    def _check_room(self, text_bytes: int, event_id: str | None) -> None:
+        """Refuse new client text past the conversation's cap; callers count it
+        (history_bytes) once every other check has passed."""
         if self.history_bytes + text_bytes > self.limits.max_conversation_bytes:
             raise ProtocolError(
                 ErrorCode.CONVERSATION_TOO_LARGE,
@@ -838,7 +842,6 @@ class Session:
                 "text; start a new session",
                 event_id=event_id,
             )
-        self.history_bytes += text_bytes
 
     def _new_item(
         self, raw: p.MessageItem | p.FunctionCallOutputItem, event_id: str | None

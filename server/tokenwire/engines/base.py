@@ -18,8 +18,6 @@ class GenerationRequest:
     max_output_tokens: int | None = None
     temperature: float = 1.0
     ignore_eos: bool = False
-    # Render the last (assistant) message as a prefix to continue, not a closed turn.
-    continue_final_message: bool = False
     # Chat-completions shape: [{"type": "function", "function": {name, description,
     # parameters}}]. None when tool_choice is "none".
     tools: list[dict[str, Any]] | None = None
@@ -80,9 +78,6 @@ class Engine(Protocol):
 
     @property
     def ready(self) -> bool: ...
-
-    @property
-    def max_context_tokens(self) -> int | None: ...
 
     def check(self, request: GenerationRequest) -> None:
         """Pre-flight, synchronous: raise EngineError (context_length_exceeded)

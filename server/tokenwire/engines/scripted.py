@@ -105,10 +105,6 @@ class ScriptedEngine:
     def ready(self) -> bool:
         return True
 
-    @property
-    def max_context_tokens(self) -> int:
-        return self._max_context_tokens
-
     def load(self) -> EngineLoad:
         return EngineLoad(running=self._running)
 

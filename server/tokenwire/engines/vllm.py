@@ -80,10 +80,6 @@ class VllmEngine:
     def failure(self) -> str | None:
         return self._failure
 
-    @property
-    def max_context_tokens(self) -> int | None:
-        return self._max_len
-
     async def start(self) -> None:
         try:
             await self._start()
@@ -171,8 +167,7 @@ class VllmEngine:
             self._template_messages(request.messages),
             tools=request.tools,
             tokenize=False,
-            add_generation_prompt=not request.continue_final_message,
-            continue_final_message=request.continue_final_message,
+            add_generation_prompt=True,
         )
         return self._tokenizer.encode(text, add_special_tokens=False)
 
