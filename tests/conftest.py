@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -190,3 +191,42 @@ def vllm_server() -> Iterator[VllmServer]:
         ready_timeout=600,
     ) as spawned:
         yield VllmServer(spawned.port, spawned.proc, log_path)
+
+
+@dataclass
+class RedisServer:
+    proc: subprocess.Popen
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server (the Debian package `make test` installs) on a free port."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is missing: run `make test`, which installs it"
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        yield RedisServer(proc, port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -38,6 +38,13 @@ class ServerConfig:
     # what it sent it keeps for replay.
     resume_grace_s: float = 30.0
     resume_log_bytes: int = 256 * 1024
+    # Several instances: Redis holds each session's log and state, so any
+    # instance can resume, follow or take over a session.
+    redis_url: str | None = None  # e.g. redis://localhost:6379/0
+    redis_maxlen: int = 10_000  # events kept per session log (approximate MAXLEN)
+    redis_ttl_s: float = 3600.0  # a session's keys outlive its last write by this
+    lease_s: float = 5.0  # an owner silent this long is dead: its sessions may be taken over
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long responses get to finish
     # Security and limits.
     api_keys_file: str | None = None  # one key per line
     api_keys: str | None = None  # comma-separated; prefer the file or the env var

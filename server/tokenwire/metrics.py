@@ -37,6 +37,9 @@ REJECTED = Counter(
 PAUSES = Counter(
     "tokenwire_generation_pauses_total", "Generations paused because a client fell behind"
 )
+TAKEOVERS = Counter(
+    "tokenwire_session_takeovers_total", "Sessions continued here after their owner was gone"
+)
 
 
 def render() -> tuple[bytes, str]:

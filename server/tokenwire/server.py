@@ -21,10 +21,19 @@ from . import metrics
 from .auth import KeyStore
 from .config import ServerConfig
 from .engines import Engine, create_engine
+from .eventlog import resume_problem
+from .follow import Follower
 from .limits import KeyUsage, Limiter
 from .logs import get_logger
-from .protocol import CLOSE_TRY_AGAIN_LATER, SUBPROTOCOLS
-from .transport import Connection, Handoff
+from .protocol import (
+    CLOSE_TRY_AGAIN_LATER,
+    SUBPROTOCOLS,
+    ErrorCode,
+    ProtocolError,
+    SessionResume,
+)
+from .redisstore import RedisStore
+from .transport import Connection, Handoff, Runtime
 
 log = get_logger("tokenwire.server")
 
@@ -99,6 +108,17 @@ class TokenwireServer:
         )
         self._server: Server | None = None
         self._engine_task: asyncio.Task[None] | None = None
+        self.store = (
+            RedisStore(
+                config.redis_url,
+                ttl_s=config.redis_ttl_s,
+                maxlen=config.redis_maxlen,
+                lease_s=config.lease_s,
+            )
+            if config.redis_url
+            else None
+        )
+        self.draining = False
 
     # -- HTTP -------------------------------------------------------------
 
@@ -108,6 +128,9 @@ class TokenwireServer:
             "status": "ok",
             "engine": self.engine.name,
             "ready": self.engine.ready,
+            "draining": self.draining,
+            "instance_id": self.store.instance_id if self.store else None,
+            "sessions": len(self.sessions),
             "connections": len(self.connections),
             "paused_connections": sum(c.paused for c in self.connections),
             "outbound_buffered_bytes": sum(c.buffered_amount for c in self.connections),
@@ -125,8 +148,9 @@ class TokenwireServer:
         if path == "/healthz":
             return json_response(HTTPStatus.OK, self.health())
         if path == "/readyz":
-            ready = self.engine.ready
-            body = {"ready": ready, "engine": self.engine.name}
+            # Draining: the load balancer should send new clients elsewhere.
+            ready = self.engine.ready and not self.draining
+            body = {"ready": ready, "engine": self.engine.name, "draining": self.draining}
             failure = getattr(self.engine, "failure", None)
             if failure:
                 body["error"] = failure
@@ -146,6 +170,11 @@ class TokenwireServer:
 
     def _admit(self, conn: ServerConnection, request: Request) -> Response | None:
         """Auth and connection limits, before the upgrade and before any work."""
+        if self.draining:
+            return json_response(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                {"error": {"code": "draining", "message": "this instance is shutting down"}},
+            )
         offered = [
             p.strip()
             for header in request.headers.get_all("Sec-WebSocket-Protocol")
@@ -215,56 +244,144 @@ class TokenwireServer:
             return
         usage.connections += 1
         metrics.CONNECTIONS.inc()
-        runtime = self._new_session(usage, ws.subprotocol)
+        runtime: Runtime = await self._new_session(usage, ws.subprotocol)
         resume_from: int | None = None
         try:
             while True:
-                self.connections.add(runtime)
+                if isinstance(runtime, Connection):
+                    self.connections.add(runtime)
                 try:
                     outcome = await runtime.serve(ws, resume_from)
                 finally:
-                    self.connections.discard(runtime)
+                    if isinstance(runtime, Connection):
+                        self.connections.discard(runtime)
                 if not isinstance(outcome, Handoff):
                     break
-                # The socket resumes another session; the fresh one never ran.
-                await self._end_session(runtime)
+                if isinstance(runtime, Connection):
+                    # The socket resumes another session; the fresh one never ran.
+                    await self._end_session(runtime)
                 runtime, resume_from = outcome.target, outcome.last_seq
-                if runtime.state == "attached" and runtime.ws is not None:
-                    runtime.ws.transport.abort()  # its old socket is dead but did not know
-                await runtime.detached.wait()
-                if runtime.state == "ended":
-                    await ws.close(1011, "the session ended while resuming")
-                    return
-            if outcome == "lost" and self.config.resume_grace_s > 0:
-                # Keep it for a resume; its generations go on meanwhile.
-                runtime.expiry = asyncio.get_running_loop().call_later(
-                    self.config.resume_grace_s, self._expire, runtime
-                )
-            else:
-                await self._end_session(runtime)
+                if isinstance(runtime, Connection):
+                    if runtime.state == "attached" and runtime.ws is not None:
+                        runtime.ws.transport.abort()  # its old socket is dead but did not know
+                    await runtime.detached.wait()
+                    if runtime.state in ("ended", "handed_over"):
+                        await ws.close(1011, "the session ended while resuming")
+                        return
+            if isinstance(runtime, Connection):
+                if outcome == "lost" and self.config.resume_grace_s > 0 and not self.draining:
+                    # Keep it for a resume; its generations go on meanwhile.
+                    self._arm_expiry(runtime)
+                elif runtime.state != "handed_over":
+                    await self._end_session(runtime)
         finally:
             usage.connections -= 1
             metrics.CONNECTIONS.dec()
             self.limiter.forget_idle(kid)
 
-    def _new_session(self, usage: KeyUsage, subprotocol: str | None) -> Connection:
-        runtime = Connection(self.engine, self.config, usage, self.find_session, subprotocol)
+    def _arm_expiry(self, runtime: Connection) -> None:
+        if runtime.expiry is not None:
+            runtime.expiry.cancel()
+        runtime.expiry = asyncio.get_running_loop().call_later(
+            self.config.resume_grace_s, self._expire, runtime
+        )
+
+    async def _new_session(
+        self,
+        usage: KeyUsage,
+        subprotocol: str | None,
+        restored: tuple[dict[str, Any], list[Any]] | None = None,
+    ) -> Connection:
+        runtime = Connection(
+            self.engine, self.config, usage, self.find_session, subprotocol, self.store, restored
+        )
         self.sessions[runtime.session.id] = runtime
+        if self.store is not None and restored is None:
+            await self.store.register(runtime.session.id, usage.key_id)
         return runtime
 
-    def find_session(self, session_id: str, key_id: str | None) -> Connection | None:
-        """A session that can be resumed by this key (others look unknown)."""
-        runtime = self.sessions.get(session_id)
-        if runtime is None or runtime.state == "ended" or runtime.key_id != key_id:
+    async def find_session(
+        self, event: SessionResume, key_id: str | None, requester: Connection
+    ) -> Runtime:
+        """What serves a resume of `event.session_id` by this key: the local
+        session, or (with Redis) a follower or a takeover of another
+        instance's. Another key's session looks unknown."""
+        sid = event.session_id
+        runtime = self.sessions.get(sid)
+        if runtime is requester:
+            runtime = None
+        if runtime is not None and runtime.state not in ("ended", "handed_over"):
+            if runtime.key_id != key_id:
+                raise _not_found(event)
+            problem = await runtime.check_resume(event.last_seq)
+            if problem is not None:
+                raise ProtocolError(
+                    ErrorCode.RESUME_NOT_POSSIBLE,
+                    problem,
+                    event_id=event.event_id,
+                    param="last_seq",
+                )
+            return runtime
+        if self.store is None:
+            raise _not_found(event)
+        meta = await self.store.meta(sid)
+        if meta is None or meta.key_id != (key_id or None):
+            raise _not_found(event)
+        bounds = await self.store.bounds(sid)
+        if bounds is not None and (problem := resume_problem(event.last_seq, bounds[0], bounds[1])):
+            raise ProtocolError(
+                ErrorCode.RESUME_NOT_POSSIBLE, problem, event_id=event.event_id, param="last_seq"
+            )
+        if meta.owner != self.store.instance_id and await self.store.alive(meta.owner):
+            return Follower(self.store, sid, meta.owner, self.take_over, self.config.lease_s / 2)
+        taken = await self.take_over(sid, meta.owner, requester.usage)
+        if taken is None:
+            raise _not_found(event)
+        return taken
+
+    async def take_over(
+        self, sid: str, dead_owner: str, usage: KeyUsage | None = None
+    ) -> Connection | None:
+        """Continue a session whose owner is gone, from its snapshot and log."""
+        assert self.store is not None
+        if not await self.store.claim(sid, dead_owner):
             return None
+        loaded = await self.store.load(sid)
+        if loaded is None:
+            return None
+        meta = await self.store.meta(sid)
+        key_id = meta.key_id if meta and meta.key_id else "anonymous"
+        runtime = await self._new_session(usage or self.limiter.usage(key_id), None, loaded)
+        runtime.log.info("session_taken_over", previous_owner=dead_owner)
+        metrics.TAKEOVERS.inc()
+        # Generations continue after the tokens the old owner logged; the
+        # events they make are logged even before the client is attached.
+        runtime.continue_restored()
+        self._arm_expiry(runtime)
         return runtime
+
+    async def _on_forward(self, sid: str, op: str, data: Any) -> None:
+        runtime = self.sessions.get(sid)
+        if runtime is None or runtime.state in ("ended", "handed_over"):
+            return
+        if op == "close":
+            await self._end_session(runtime)
+            return
+        runtime.receive_forwarded(op, data)
+        if runtime.state in ("remote", "detached"):
+            self._arm_expiry(runtime)  # the follower is alive: the grace period starts over
 
     async def _end_session(self, runtime: Connection) -> None:
-        self.sessions.pop(runtime.session.id, None)
+        if self.sessions.get(runtime.session.id) is runtime:
+            del self.sessions[runtime.session.id]
+        if runtime.state == "handed_over":
+            return  # it lives on elsewhere
         await runtime.end()
+        if self.store is not None and runtime.state == "ended":
+            await self.store.drop(runtime.session.id)
 
     def _expire(self, runtime: Connection) -> None:
-        if runtime.state == "detached":
+        if runtime.state in ("detached", "remote"):
             runtime.log.info("resume_grace_over")
             task = asyncio.get_running_loop().create_task(self._end_session(runtime))
             self._expiring.add(task)
@@ -273,6 +390,8 @@ class TokenwireServer:
     # -- lifecycle ----------------------------------------------------------
 
     async def start(self) -> None:
+        if self.store is not None:
+            await self.store.start(self._on_forward)
         self._engine_task = asyncio.create_task(self.engine.start())
         self._engine_task.add_done_callback(_ignore_result)
         self._server = await serve(
@@ -312,6 +431,42 @@ class TokenwireServer:
         if self._engine_task is not None:
             await asyncio.shield(self._engine_task)
 
+    async def drain(self) -> None:
+        """Graceful shutdown: accept nothing new, tell every client, let
+        responses finish for up to --drain-timeout-s, then hand the rest over
+        (with Redis) or end them."""
+        # Still listening: /readyz says 503 and new WebSocket handshakes get
+        # 503, so a load balancer moves on (nginx: proxy_next_upstream http_503).
+        self.draining = True
+        # With Redis another instance continues a session at once; without,
+        # a new session on a restarted or other instance is the way on.
+        retry_ms = 0 if self.store is not None else int(self.config.drain_timeout_s * 1000)
+        for runtime in list(self.sessions.values()):
+            if runtime.state == "attached":
+                runtime.going_away("shutdown", retry_ms)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        busy = self._busy()
+        log.info(
+            "draining",
+            sessions=len(self.sessions),
+            active=busy,
+            timeout_s=self.config.drain_timeout_s,
+        )
+        while busy and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            busy = self._busy()
+        for runtime in list(self.sessions.values()):
+            if self.store is not None:
+                await runtime.hand_over()
+            await self._end_session(runtime)
+        if self.store is not None:
+            await self.store.release()  # no lease: the others may take over now
+        log.info("drained", handed_over=busy if self.store is not None else 0)
+
+    def _busy(self) -> int:
+        return sum(len(r.session.active_responses) for r in self.sessions.values())
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -321,6 +476,8 @@ class TokenwireServer:
         if self._engine_task is not None and not self._engine_task.done():
             self._engine_task.cancel()
         await self.engine.close()
+        if self.store is not None:
+            await self.store.close()
 
     async def serve_forever(self) -> None:
         await self.start()
@@ -331,7 +488,18 @@ class TokenwireServer:
                 loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("shutting_down")
+        await self.drain()
         await self.close()
+
+
+def _not_found(event: SessionResume) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.SESSION_NOT_FOUND,
+        f"no session {event.session_id!r} to resume (unknown, or its grace period ended); "
+        "start a new session",
+        event_id=event.event_id,
+        param="session_id",
+    )
 
 
 def _ignore_result(task: asyncio.Task[None]) -> None:

@@ -112,6 +112,7 @@ class Response:
     gen_request: GenerationRequest | None = None
     gen_token_ids: list[int] = field(default_factory=list)
     paused: bool = False
+    logged_ids: int = 0  # gen_token_ids already in the event log (progress())
     generation: int = 0
     wait_token: int = 0
     input_tokens: int = 0
@@ -517,6 +518,14 @@ class Session:
             paused.append(resp.id)
         return paused
 
+    def suspend(self) -> None:
+        """Stop every generation without ending its response: the session is
+        handed to another instance, which restores it and calls resume()."""
+        for resp in self.active_responses:
+            if resp.request_id is not None:
+                self._abort_current(resp)
+                resp.paused = True
+
     def resume(self) -> list[str]:
         """The client drained: continue paused generations after their tokens."""
         resumed = []
@@ -525,6 +534,14 @@ class Session:
                 continue
             resp.paused = False
             assert resp.gen_request is not None
+            if resp.gen_request.tools is not None:
+                # Only a takeover stops a tool-call generation (pause() never
+                # does), and its parser state is gone: run it again from the start.
+                self._drop_partial_calls(resp)
+                self._close_text_item(resp, "incomplete")
+                self._start_generation(resp)
+                resumed.append(resp.id)
+                continue
             request = replace(
                 resp.gen_request,
                 request_id=f"{resp.id}-{resp.generation + 1}",
@@ -909,7 +926,7 @@ class Session:
     ) -> None:
         request = request or self._next_request(resp)
         if fresh:
-            resp.gen_request, resp.gen_token_ids = request, []
+            resp.gen_request, resp.gen_token_ids, resp.logged_ids = request, [], 0
         resp.paused = False
         resp.generation += 1
         resp.request_id = request.request_id
@@ -926,6 +943,139 @@ class Session:
             self._requests.pop(resp.request_id, None)
             resp.request_id = None
 
+    # -- handover: a snapshot another instance can continue from -------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything needed to continue this session elsewhere, JSON-shaped.
+
+        Taken when the conversation's structure changes; text produced after
+        it is carried by the logged delta events (`replay_delta`)."""
+        now = self.clock()
+        return {
+            "id": self.id,
+            "config": self.config,
+            "info": self._info,
+            "items": self.items,
+            "history_bytes": self.history_bytes,
+            "finished": list(self._finished.items()),
+            "calls": {
+                cid: [item["id"], rid, done] for cid, (item, rid, done) in self._calls.items()
+            },
+            "responses": [_describe_state(r, now) for r in self.active_responses],
+        }
+
+    @classmethod
+    def restore(cls, state: dict[str, Any], **kwargs: Any) -> Session:
+        """The session a snapshot describes. Its generations are paused (no
+        engine request runs); `resume()` continues them after their tokens."""
+        session = cls(session_id=state["id"], **kwargs)
+        session._events.clear()  # no session.created: the client knows this session
+        session.config.update(state["config"])
+        session._info.update({k: v for k, v in state["info"].items() if k != "subprotocol"})
+        session.items = state["items"]
+        session._items_by_id = {it["id"]: it for it in session.items}
+        session.history_bytes = state["history_bytes"]
+        session._finished = OrderedDict((rid, status) for rid, status in state["finished"])
+        now = session.clock()
+        for rs in state["responses"]:
+            context = session.items if rs["in_conversation"] else rs["context"]
+            for item in context:
+                session._items_by_id[item["id"]] = item
+            by_id = {it["id"]: it for it in context}
+            req = rs["gen_request"]
+            resp = Response(
+                id=rs["id"],
+                event_id=rs["event_id"],
+                in_conversation=rs["in_conversation"],
+                params=rs["params"],
+                metadata=rs["metadata"],
+                context=context,
+                created_at=now - rs["age_s"],
+                tool_choice=rs["tool_choice"],
+                status=rs["status"],
+                output=[by_id[i] for i in rs["output"]],
+                current_item=by_id.get(rs["current_item"] or ""),
+                calls={int(k): by_id[v] for k, v in rs["calls"].items()},
+                pending_calls={cid: by_id[iid] for cid, iid in rs["pending_calls"].items()},
+                gen_request=GenerationRequest(**req) if req else None,
+                gen_token_ids=rs["gen_token_ids"],
+                paused=rs["status"] == "in_progress",
+                generation=rs["generation"],
+                wait_token=rs["wait_token"],
+                input_tokens=rs["input_tokens"],
+                cached_tokens=rs["cached_tokens"],
+                output_tokens=rs["output_tokens"],
+                first_token_at=None if rs["ttft_age_s"] is None else now - rs["ttft_age_s"],
+            )
+            session.responses[resp.id] = resp
+            if session._quota is not None:
+                session._quota.acquire_response()  # released by _finish, like any response
+            if resp.status == "requires_action":
+                resp.wait_token += 1
+                session._actions.append(
+                    StartTimer(resp.id, resp.wait_token, resp.params["tool_timeout_s"])
+                )
+        for cid, (item_id, rid, done) in state["calls"].items():
+            item = session._items_by_id.get(item_id)
+            if item is not None:
+                session._calls[cid] = (item, rid, done)
+        return session
+
+    def replay_delta(self, event: dict[str, Any], token_ids: list[int] | None = None) -> None:
+        """Fold a logged delta (sent after the snapshot) back into the state."""
+        resp = self.responses.get(event.get("response_id", ""))
+        if resp is None:
+            return
+        if event["type"] == "response.output_text.delta":
+            if resp.current_item is None:
+                item = self._make_item(
+                    {
+                        "id": event["item_id"],
+                        "type": "message",
+                        "role": "assistant",
+                        "content": "",
+                        "status": "in_progress",
+                    }
+                )
+                self._add_output(resp, item)
+                resp.current_item = item
+            resp.current_item["content"] += event["delta"]
+            self.history_bytes += len(event["delta"].encode())
+        elif event["type"] == "response.function_call_arguments.delta":
+            item = next((c for c in resp.calls.values() if c["id"] == event["item_id"]), None)
+            if item is None:
+                item = self._make_item(
+                    {
+                        "id": event["item_id"],
+                        "type": "function_call",
+                        "call_id": event["call_id"],
+                        "name": event["name"],
+                        "arguments": "",
+                        "status": "in_progress",
+                    }
+                )
+                self._add_output(resp, item)
+                resp.calls[len(resp.calls)] = item
+            item["arguments"] += event["delta"]
+            self.history_bytes += len(event["delta"].encode())
+
+    def progress(self) -> dict[str, list[Any]]:
+        """What the logged deltas do not say: per active response, its output
+        tokens and the token ids added since the last call (or snapshot)."""
+        out: dict[str, list[Any]] = {}
+        for r in self.responses.values():
+            if r.active and len(r.gen_token_ids) > r.logged_ids:
+                out[r.id] = [r.output_tokens, r.logged_ids, r.gen_token_ids[r.logged_ids :]]
+                r.logged_ids = len(r.gen_token_ids)
+        return out
+
+    def restore_progress(self, progress: dict[str, list[Any]]) -> None:
+        for rid, (output_tokens, start, token_ids) in progress.items():
+            resp = self.responses.get(rid)
+            if resp is not None:
+                resp.output_tokens = output_tokens
+                resp.gen_token_ids = resp.gen_token_ids[:start] + list(token_ids)
+
 
 def _skip(validator: Any, value: Any, instance: Any, schema: Any) -> None:
     return None
@@ -937,6 +1087,37 @@ def _skip(validator: Any, value: Any, instance: Any, schema: Any) -> None:
 _ArgumentsValidator = jsonschema.validators.extend(
     jsonschema.Draft202012Validator, {"pattern": _skip, "patternProperties": _skip}
 )
+
+
+def _describe_state(resp: Response, now: float) -> dict[str, Any]:
+    """A response's part of Session.snapshot()."""
+    req = resp.gen_request
+    resp.logged_ids = len(resp.gen_token_ids)
+    return {
+        "id": resp.id,
+        "event_id": resp.event_id,
+        "in_conversation": resp.in_conversation,
+        "params": resp.params,
+        "metadata": resp.metadata,
+        "context": [] if resp.in_conversation else resp.context,
+        "age_s": now - resp.created_at,
+        "tool_choice": resp.tool_choice,
+        "status": resp.status,
+        "output": [item["id"] for item in resp.output],
+        "current_item": resp.current_item["id"] if resp.current_item else None,
+        "calls": {str(i): item["id"] for i, item in resp.calls.items()},
+        "pending_calls": {cid: item["id"] for cid, item in resp.pending_calls.items()},
+        "gen_request": None
+        if req is None
+        else {f: getattr(req, f) for f in req.__dataclass_fields__},
+        "gen_token_ids": resp.gen_token_ids,
+        "generation": resp.generation,
+        "wait_token": resp.wait_token,
+        "input_tokens": resp.input_tokens,
+        "cached_tokens": resp.cached_tokens,
+        "output_tokens": resp.output_tokens,
+        "ttft_age_s": None if resp.first_token_at is None else now - resp.first_token_at,
+    }
 
 
 def render_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:

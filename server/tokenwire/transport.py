@@ -15,6 +15,10 @@ socket resumes it with `session.resume`, or the grace period ends. Every
 event written is kept in a byte-bounded ring, so a resume replays exactly
 what came after the client's `last_seq`, then continues with what was
 never sent.
+
+With Redis (`redisstore`) every event is logged there before it reaches the
+socket, a detached session keeps logging, and the session can be resumed,
+followed or taken over by another instance.
 """
 
 from __future__ import annotations
@@ -23,22 +27,24 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+from redis.exceptions import RedisError
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
 from . import metrics
 from .config import ServerConfig
 from .engines.base import Engine, EngineDelta, EngineError
+from .eventlog import MemoryLog, resume_problem
 from .limits import KeyUsage
 from .logs import get_logger
-from .outbox import Outbox
+from .outbox import DELTA, Outbox
 from .protocol import (
     CLOSE_IDLE,
+    CLOSE_SERVICE_RESTART,
     CLOSE_SLOW_CLIENT,
     Codec,
     ErrorCode,
@@ -47,22 +53,45 @@ from .protocol import (
     decode_frame,
     parse_client_event,
 )
+from .redisstore import Fenced, RedisStore, pack, unpack
 from .session import AbortGeneration, Session, SessionLimits, StartGeneration, StartTimer
 
 log = get_logger("tokenwire.transport")
+
+
+# Events that change no state a takeover needs: no snapshot for them.
+_NO_SNAPSHOT = frozenset(
+    {
+        DELTA,
+        "response.function_call_arguments.delta",
+        "error",
+        "session.resumed",
+        "session.going_away",
+    }
+)
+
+
+class Runtime(Protocol):
+    """What a resumed socket is served by: a local session, or a follower
+    of a session another instance owns."""
+
+    async def serve(self, ws: ServerConnection, resume_from: int | None = None) -> Outcome: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Handoff:
     """The socket's first event resumed another session: serve that one on it."""
 
-    target: Connection
+    target: Runtime
     last_seq: int
 
 
 # What serve() ends with: the client closed cleanly, the socket was lost, or
 # the socket goes to the session it resumed.
 Outcome = Literal["ended", "lost"] | Handoff
+
+# Finds what serves a `session.resume` for a key, or raises ProtocolError.
+FindSession = Callable[[SessionResume, str | None, "Connection"], Awaitable[Runtime]]
 
 
 class Connection:
@@ -71,34 +100,56 @@ class Connection:
         engine: Engine,
         config: ServerConfig,
         usage: KeyUsage | None = None,
-        find_session: Callable[[str, str | None], Connection | None] | None = None,
+        find_session: FindSession | None = None,
         subprotocol: str | None = None,
+        store: RedisStore | None = None,
+        restored: tuple[dict[str, Any], list[Any]] | None = None,
     ) -> None:
         self.ws: ServerConnection | None = None
         self.engine = engine
         self.config = config
         self.usage = usage
+        self.store = store
         self._find_session = find_session
         self.codec = Codec(subprotocol)
-        self.session = Session(
-            limits=SessionLimits(
+        kwargs: dict[str, Any] = {
+            "limits": SessionLimits(
                 max_active_responses=config.max_active_responses,
                 default_max_output_tokens=config.default_max_output_tokens,
                 tool_timeout_s=config.tool_timeout_s,
                 max_conversation_bytes=config.max_conversation_bytes,
                 max_events_per_s=config.max_events_per_s,
             ),
-            info={
+            "info": {
                 "engine": engine.name,
                 "subprotocol": self.codec.subprotocol,
                 "max_message_bytes": config.max_message_bytes,
                 # Applies when max_output_tokens is null.
                 "default_max_output_tokens": config.default_max_output_tokens,
             },
-            check_request=engine.check,
-            quota=usage,
-        )
-        self.outbox = Outbox()
+            "check_request": engine.check,
+            "quota": usage,
+        }
+        # The last seq logged, and the last one the attached socket was sent.
+        self._logged_seq = 0
+        self._sent_seq = 0
+        if restored is None:
+            self.session = Session(**kwargs)
+        else:
+            state, entries = restored
+            self.session = Session.restore(state["session"], **kwargs)
+            self._logged_seq = state["seq"]
+            for entry in entries:  # what happened after the snapshot
+                self.session.replay_delta(unpack(entry.event))
+                if entry.progress:
+                    self.session.restore_progress(entry.progress)
+                self._logged_seq = entry.seq
+        self.outbox = Outbox(first_seq=self._logged_seq + 1)
+        # Events written to sockets, for replay on resume (without Redis).
+        self.ring = MemoryLog(config.resume_log_bytes)
+        self._live = False  # the attached socket is past its replay
+        self._writer: asyncio.Task[None] | None = None
+        self._log_lock = asyncio.Lock()  # one batch at a time, in seq order
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._wakeup = asyncio.Event()
         self._drained = asyncio.Event()  # set while below the hard cap
@@ -112,17 +163,13 @@ class Connection:
         self._last_frame = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._closer: asyncio.Task[None] | None = None
-        # "new" | "attached" | "detached" | "ended"
-        self.state = "new"
+        # "new" | "attached" | "detached" | "remote" (followed from another
+        # instance) | "ended" | "handed_over" (another instance continues it)
+        self.state = "new" if restored is None else "detached"
         self.detached = asyncio.Event()  # set while no socket is attached
         self.detached.set()
         self.expiry: asyncio.TimerHandle | None = None  # end of the resume grace period
-        # (seq, frame) of events written to sockets, for replay on resume;
-        # bounded in bytes. Frames, not dicts: a third of the memory.
-        self.sent: deque[tuple[int, str | bytes]] = deque()
-        self._sent_bytes = 0
         self._first_frame = True
-        self._handoff: Handoff | None = None
         self.log = log.bind(session_id=self.session.id, key_id=usage.key_id if usage else None)
 
     @property
@@ -140,7 +187,6 @@ class Connection:
         """Run the session on this socket until it closes or hands the socket on."""
         self._attach(ws)
         loop = asyncio.get_running_loop()
-        writer: asyncio.Task[None] | None = None
         outcome: Outcome = "lost"
         try:
             # Whatever happens from here on (the socket may drop mid-replay),
@@ -148,7 +194,10 @@ class Connection:
             if resume_from is not None:
                 self._first_frame = False  # a resumed socket resumes nothing else
                 await self._replay(resume_from)
-            writer = asyncio.create_task(self._write_loop())
+            else:
+                self._sent_seq = self._logged_seq
+                self._live = True
+            self._start_writer()
             # Events may have queued up while no socket was attached.
             self._wakeup.set()
             self._last_frame = loop.time()
@@ -156,10 +205,12 @@ class Connection:
             self._pump()
             async for frame in ws:
                 self._last_frame = loop.time()
-                self._receive(frame)
-                if self._handoff is not None:
-                    outcome = self._handoff
-                    break
+                resume = self._receive(frame)
+                if resume is not None:
+                    target = await self._resolve(resume)
+                    if target is not None:
+                        outcome = Handoff(target, resume.last_seq)
+                        break
                 if not self._drained.is_set():
                     # Upstream backpressure: read nothing more until the client
                     # reads what it asked for (TCP then slows the sender).
@@ -170,15 +221,23 @@ class Connection:
             if exc.rcvd is not None and exc.rcvd.code in (1000, 1001):
                 outcome = "ended"
         finally:
-            if writer is not None:
-                writer.cancel()
+            self._live = False
+            if self.store is None and self._writer is not None:
+                # Without Redis nothing is written while detached: events wait
+                # in the outbox (and pause generation at the hard cap).
+                self._writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await writer
+                    await self._writer
+                self._writer = None
             self._detach()
         if self.closed_for is not None:
             outcome = "ended"  # we closed it (slow or idle): nothing to resume
         self.log.info("socket_closed", outcome=outcome if isinstance(outcome, str) else "resume")
         return outcome
+
+    def _start_writer(self) -> None:
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_loop())
 
     def _attach(self, ws: ServerConnection) -> None:
         self.ws = ws
@@ -208,7 +267,7 @@ class Connection:
 
     async def end(self) -> None:
         """Stop everything the session owns and free it."""
-        if self.state == "ended":
+        if self.state in ("ended", "handed_over"):
             return
         self.state = "ended"
         self._cancel_timers()
@@ -220,34 +279,48 @@ class Connection:
         if pending:
             # Let the engine aborts run before the session is gone.
             await asyncio.wait(pending, timeout=5)
+        await self._stop_writer()
         self.outbox.clear()
-        self.sent.clear()
+        self.ring.clear()
         self.detached.set()
         self.log.info("session_closed")
 
-    def can_resume(self, last_seq: int) -> str | None:
+    async def _stop_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
+
+    async def check_resume(self, last_seq: int) -> str | None:
         """Why `last_seq` cannot be resumed from, or None."""
-        last_sent = self.sent[-1][0] if self.sent else self.outbox.next_seq - 1
-        if last_seq > last_sent:
-            return f"last_seq {last_seq} is past the last event sent ({last_sent})"
-        oldest = self.sent[0][0] if self.sent else last_sent + 1
-        if last_seq + 1 < oldest:
-            return (
-                f"events after {last_seq} are no longer kept (the oldest is {oldest}); "
-                "start a new session"
-            )
-        return None
+        if self.store is None:
+            return self.ring.check(last_seq, self._logged_seq)
+        bounds = await self.store.bounds(self.session.id)
+        oldest = bounds[0] if bounds else self._logged_seq + 1
+        return resume_problem(last_seq, oldest, self._logged_seq)
 
     async def _replay(self, last_seq: int) -> None:
-        """Resend what came after last_seq, then announce the resume."""
+        """Resend what came after last_seq, then announce the resume and go live."""
         assert self.ws is not None
+        self._sent_seq = last_seq
         replayed = 0
-        for seq, frame in list(self.sent):
-            if seq > last_seq:
-                if isinstance(frame, bytes) != self.codec.binary:  # the subprotocol changed
-                    frame = self.codec.encode(decode_frame(frame))
+        # The writer may log more meanwhile (with Redis it logs while detached):
+        # read until caught up with it, then go live with no await in between.
+        while self._sent_seq < self._logged_seq:
+            frames = await self.logged_after(self._sent_seq)
+            if not frames:
+                break
+            for seq, frame in frames:
+                if seq <= self._sent_seq:
+                    continue
                 await self.ws.send(frame)
+                self._sent_seq = seq
                 replayed += 1
+        self._live = True
+        self.push_resumed(last_seq, replayed)
+
+    def push_resumed(self, last_seq: int, replayed: int) -> None:
         self.outbox.push_front(
             {
                 "type": "session.resumed",
@@ -256,15 +329,29 @@ class Connection:
                 "replayed": replayed,
             }
         )
+        self._wakeup.set()
         self.log.info("session_resumed", last_seq=last_seq, replayed=replayed)
 
-    def _remember(self, seq: int, frame: str | bytes) -> None:
-        self.sent.append((seq, frame))
-        self._sent_bytes += len(frame)
-        while self._sent_bytes > self.config.resume_log_bytes and len(self.sent) > 1:
-            self._sent_bytes -= len(self.sent.popleft()[1])
+    async def logged_after(self, seq: int) -> list[tuple[int, str | bytes]]:
+        """Logged frames after `seq`, encoded for the attached socket."""
+        if self.store is not None:
+            entries = await self.store.read(self.session.id, seq)
+            return [(e.seq, self._encode_logged(e.event)) for e in entries]
+        return [
+            (
+                s,
+                f
+                if isinstance(f, bytes) == self.codec.binary
+                else self.codec.encode(decode_frame(f)),
+            )
+            for s, f in self.ring.after(seq)
+        ]
 
-    def _receive(self, frame: str | bytes) -> None:
+    def _encode_logged(self, packed: bytes) -> str | bytes:
+        return packed if self.codec.binary else self.codec.encode(unpack(packed))
+
+    def _receive(self, frame: str | bytes) -> SessionResume | None:
+        """Take a client frame; returns a resume request made by the first one."""
         try:
             obj = decode_frame(frame)
         except ProtocolError as err:
@@ -272,39 +359,101 @@ class Connection:
         else:
             first, self._first_frame = self._first_frame, False
             if first and isinstance(obj, dict) and obj.get("type") == "session.resume":
-                self._resume_request(obj)
+                try:
+                    event = parse_client_event(obj)
+                    assert isinstance(event, SessionResume)
+                    return event
+                except ProtocolError as err:
+                    self.session.receive_protocol_error(err)
             else:
                 self.session.receive_client_event(obj)
         self._pump()
+        return None
 
-    def _resume_request(self, obj: dict[str, Any]) -> None:
-        """The first event asks to resume another session onto this socket."""
+    async def _resolve(self, event: SessionResume) -> Runtime | None:
+        """What serves the session this socket asks to resume; errors go out here."""
         try:
-            event = parse_client_event(obj)
-            assert isinstance(event, SessionResume)
-            target = (
-                self._find_session(event.session_id, self.key_id) if self._find_session else None
-            )
-            if target is None or target is self:
+            if self._find_session is None:
                 raise ProtocolError(
-                    ErrorCode.SESSION_NOT_FOUND,
-                    f"no session {event.session_id!r} to resume (unknown, or its grace period "
-                    "ended); start a new session",
-                    event_id=event.event_id,
-                    param="session_id",
+                    ErrorCode.SESSION_NOT_FOUND, "resume is off", event_id=event.event_id
                 )
-            problem = target.can_resume(event.last_seq)
-            if problem is not None:
-                raise ProtocolError(
-                    ErrorCode.RESUME_NOT_POSSIBLE,
-                    problem,
-                    event_id=event.event_id,
-                    param="last_seq",
-                )
+            return await self._find_session(event, self.key_id, self)
         except ProtocolError as err:
             self.session.receive_protocol_error(err)
+            self._pump()
+            return None
+
+    # -- another instance follows this session, or takes it over ---------------
+
+    def receive_forwarded(self, op: str, data: Any) -> None:
+        """An op from an instance whose client follows this session."""
+        if op == "attach":
+            if self.state == "attached" and self.ws is not None and self.ws.transport:
+                self.ws.transport.abort()  # the client has moved on from that socket
+            self.state = "remote"
+            self.push_resumed(data["last_seq"], max(self._logged_seq - data["last_seq"], 0))
+        elif op == "frame" and self.state == "remote":
+            try:
+                obj = decode_frame(data)
+            except ProtocolError as err:
+                self.session.receive_protocol_error(err)
+            else:
+                self.session.receive_client_event(obj)
+            self._pump()
+        elif op == "detach" and self.state == "remote":
+            self.state = "detached"
+
+    def continue_restored(self) -> None:
+        """A taken-over session: continue its generations (logged while no
+        socket is attached) and re-arm its tool timeouts."""
+        self.session.resume()
+        self._pump()
+        self._start_writer()
+
+    def going_away(self, reason: str, retry_after_ms: int) -> None:
+        self.outbox.push(
+            {"type": "session.going_away", "reason": reason, "retry_after_ms": retry_after_ms}
+        )
+        self._wakeup.set()
+
+    async def hand_over(self) -> None:
+        """Drain: stop the generations here and leave the session, snapshot
+        and log complete in Redis, for another instance to continue."""
+        assert self.store is not None
+        if self.state in ("ended", "handed_over"):
             return
-        self._handoff = Handoff(target, event.last_seq)
+        self._cancel_timers()
+        self.session.suspend()
+        self._pump()
+        pending = list(self.tasks.values())
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+        await self._stop_writer()
+        async with self._log_lock:
+            try:
+                batch = await self._log_batch(merge=False)
+                await self.store.append(
+                    self.session.id, [], None, (self._logged_seq, self.session.snapshot())
+                )
+            except Fenced:
+                batch = []
+        with contextlib.suppress(Exception):
+            for seq, event, _ in batch:
+                if self._live and self.ws is not None and seq > self._sent_seq:
+                    self._sent_seq = seq
+                    await self.ws.send(self.codec.encode(event))
+        if self._live and self.ws is not None:
+            # Let the socket take the last frames before the close.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._wait_socket_below(0), 1)
+        self.state = "handed_over"
+        if self.ws is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self.ws.close(CLOSE_SERVICE_RESTART, "draining; resume the session"), 2
+                )
+        self.detached.set()
+        self.log.info("session_handed_over", last_seq=self._logged_seq)
 
     def _pump(self) -> None:
         """Carry out what the session asked for, then queue its events."""
@@ -453,40 +602,124 @@ class Connection:
 
     async def _write_loop(self) -> None:
         high_water = self.config.outbound_high_water
-        ws = self.ws
-        assert ws is not None
         try:
             while True:
                 await self._wakeup.wait()
                 self._wakeup.clear()
-                while True:
-                    behind = self.buffered_amount > high_water
-                    event = self.outbox.pop(merge=behind)
-                    if event is None:
-                        break
-                    if behind:
-                        self._arm_clocks()  # the send below may block on a slow reader
-                    frame = self.codec.encode(event)
-                    self._remember(event["seq"], frame)
-                    await ws.send(frame)
-                if (
-                    self.paused
-                    or self._stall_timer
-                    or self._slow_timer
-                    or not self._drained.is_set()
-                ):
-                    # The queue is empty, but the socket may still hold what
-                    # the client has not read: wait until it has.
-                    await self._wait_socket_below(high_water // 2)
-                    if len(self.outbox):
-                        self._wakeup.set()  # events queued meanwhile: send them first
+                try:
+                    await self._write_queued()
+                    ws = self.ws if self._live else None
+                    if ws is None:
+                        if self.store is not None and (self.paused or not self._drained.is_set()):
+                            self._caught_up()  # the log took it all: generate on
                         continue
-                    self._caught_up()
-        except (ConnectionClosed, OSError):
-            pass
+                    if (
+                        self.paused
+                        or self._stall_timer
+                        or self._slow_timer
+                        or not self._drained.is_set()
+                    ):
+                        # The queue is empty, but the socket may still hold what
+                        # the client has not read: wait until it has.
+                        await self._wait_socket_below(high_water // 2)
+                        if len(self.outbox):
+                            self._wakeup.set()  # events queued meanwhile: send them first
+                            continue
+                        self._caught_up()
+                except (ConnectionClosed, OSError):
+                    self._live = False
+                    self._drained.set()  # never leave the reader waiting on a dead socket
+                    if self.store is None:
+                        return
+                    self._wakeup.set()  # keep logging what is queued
+        except Fenced:
+            self.log.warning("session_taken_over_elsewhere")
+            await self._lost_ownership()
         finally:
-            # Never leave the reader waiting on a connection that is gone.
             self._drained.set()
+
+    async def _write_queued(self) -> None:
+        """Log what is queued, then send it to the socket if one is live."""
+        high_water = self.config.outbound_high_water
+        while True:
+            ws = self.ws if self._live else None
+            if ws is None and self.store is None:
+                return  # without Redis, events wait in the outbox for a socket
+            behind = ws is not None and self.buffered_amount > high_water
+            if self.store is None:
+                batch = self._ring_batch(behind)
+            else:
+                # Shielded: a batch once popped is always logged, even if the
+                # writer is cancelled meanwhile (it then holds the lock until done).
+                batch = await asyncio.shield(self._locked_log_batch(behind))
+            if not batch:
+                return
+            if behind:
+                self._arm_clocks()  # the send below may block on a slow reader
+            for seq, event, frame in batch:
+                ws = self.ws if self._live else None
+                if ws is None or seq <= self._sent_seq:
+                    continue  # no socket, or the replay sent it already
+                self._sent_seq = seq
+                if frame is None or isinstance(frame, bytes) != self.codec.binary:
+                    frame = self.codec.encode(event)
+                await ws.send(frame)
+
+    async def _locked_log_batch(
+        self, merge: bool
+    ) -> list[tuple[int, dict[str, Any], str | bytes | None]]:
+        async with self._log_lock:
+            if self.state == "handed_over":
+                return []
+            return await self._log_batch(merge)
+
+    def _ring_batch(self, merge: bool) -> list[tuple[int, dict[str, Any], str | bytes | None]]:
+        """Without Redis: pop one event and keep its frame in the ring."""
+        event = self.outbox.pop(merge=merge)
+        if event is None:
+            return []
+        frame = self.codec.encode(event)
+        self.ring.append(event["seq"], frame)
+        self._logged_seq = event["seq"]
+        return [(event["seq"], event, frame)]
+
+    async def _log_batch(self, merge: bool) -> list[tuple[int, dict[str, Any], str | bytes | None]]:
+        """With Redis: pop everything queued and log it, with a snapshot when
+        the conversation's structure changed."""
+        assert self.store is not None
+        events = []
+        while (event := self.outbox.pop(merge=merge)) is not None:
+            events.append(event)
+        if not events:
+            return []
+        # Taken before any await, so they match the events exactly.
+        packed = [(e["seq"], pack(e)) for e in events]
+        snapshot = None
+        if any(e["type"] not in _NO_SNAPSHOT for e in events):
+            snapshot = (events[-1]["seq"], self.session.snapshot())
+        progress = self.session.progress()
+        delay = 0.1
+        while True:
+            try:
+                await self.store.append(self.session.id, packed, progress, snapshot)
+                break
+            except RedisError as exc:
+                # Nothing goes out unlogged; generation pauses at the hard cap meanwhile.
+                self.log.warning("redis_append_failed", error=str(exc), retry_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self._logged_seq = events[-1]["seq"]
+        return [(seq, e, data) for (seq, data), e in zip(packed, events, strict=True)]
+
+    async def _lost_ownership(self) -> None:
+        """Another instance took this session over: stop, silently."""
+        self.state = "handed_over"
+        self.session.suspend()
+        self._pump()
+        if self.ws is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.ws.close(CLOSE_SERVICE_RESTART, "session moved"), 2)
+        self.detached.set()
 
     # -- engine and timers ---------------------------------------------------
 

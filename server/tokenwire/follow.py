@@ -1,0 +1,122 @@
+"""Serving a session that another instance owns, from its Redis log.
+
+A client that resumes on an instance other than its session's owner is
+served by a `Follower`: it replays the log after `last_seq`, then follows the
+tail the owner keeps writing, and forwards the client's frames to the owner's
+inbox. The owner's events (errors included) all come back through the log,
+so `seq` stays the owner's and nothing is sent twice. When the owner's lease
+is gone (crash, or drain) the follower takes the session over itself and the
+socket goes on with no gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from .logs import get_logger
+from .protocol import Codec, ErrorCode, error_event
+from .redisstore import RedisStore, unpack
+
+if TYPE_CHECKING:
+    from .transport import Connection, Outcome
+
+log = get_logger("tokenwire.follow")
+
+
+class Follower:
+    def __init__(
+        self,
+        store: RedisStore,
+        session_id: str,
+        owner: str,
+        take_over: Callable[[str, str], Awaitable[Connection | None]],
+        ping_s: float,
+    ) -> None:
+        self.store = store
+        self.session_id = session_id
+        self.owner = owner
+        self._take_over = take_over
+        self._ping_s = ping_s
+        self.log = log.bind(session_id=session_id, owner=owner)
+
+    async def serve(self, ws: ServerConnection, resume_from: int | None = None) -> Outcome:
+        from .transport import Handoff
+
+        codec = Codec(ws.subprotocol)
+        sent = resume_from or 0
+        await self.store.forward(self.owner, self.session_id, "attach", {"last_seq": sent})
+        reader = asyncio.create_task(self._forward_frames(ws))
+        self.log.info("following", last_seq=sent)
+        last_ping = time.monotonic()
+        try:
+            while not reader.done():
+                entries = await self.store.follow(
+                    self.session_id, sent, block_ms=int(self._ping_s * 1000)
+                )
+                for entry in entries:
+                    if entry.seq != sent + 1:  # trimmed past this client (MAXLEN)
+                        await self._fail(ws, codec, entry.seq, sent)
+                        return "ended"
+                    await ws.send(
+                        entry.event if codec.binary else codec.encode(unpack(entry.event))
+                    )
+                    sent = entry.seq
+                if time.monotonic() - last_ping >= self._ping_s:
+                    last_ping = time.monotonic()
+                    await self.store.forward(self.owner, self.session_id, "ping")
+                if entries:
+                    continue
+                meta = await self.store.meta(self.session_id)
+                if meta is None:  # the session ended (or expired) on its owner
+                    await ws.close(1011, "the session ended")
+                    return "ended"
+                if meta.owner != self.owner or not await self.store.alive(self.owner):
+                    runtime = await self._take_over(self.session_id, meta.owner)
+                    if runtime is not None:
+                        reader.cancel()
+                        return Handoff(runtime, sent)
+                    # Another instance won the takeover: follow that one.
+                    self.owner = (await self.store.meta(self.session_id) or meta).owner
+                    await self.store.forward(
+                        self.owner, self.session_id, "attach", {"last_seq": sent}
+                    )
+            return "ended" if reader.result() else "lost"
+        except ConnectionClosed:
+            return "lost"
+        finally:
+            clean = reader.done() and not reader.cancelled() and reader.result() is True
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            # A clean close ends the session, as it would on the owner.
+            with contextlib.suppress(Exception):
+                await self.store.forward(
+                    self.owner, self.session_id, "close" if clean else "detach"
+                )
+            self.log.info("unfollowing", last_seq=sent, clean=clean)
+
+    async def _forward_frames(self, ws: ServerConnection) -> bool:
+        """Client frames to the owner; True once the client closed cleanly."""
+        try:
+            async for frame in ws:
+                await self.store.forward(self.owner, self.session_id, "frame", frame)
+        except ConnectionClosed as exc:
+            return exc.rcvd is not None and exc.rcvd.code in (1000, 1001)
+        return True
+
+    async def _fail(self, ws: ServerConnection, codec: Codec, got: int, sent: int) -> None:
+        event = error_event(
+            ErrorCode.RESUME_NOT_POSSIBLE,
+            f"events {sent + 1}..{got - 1} are no longer kept; start a new session",
+        )
+        event["seq"] = sent + 1
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(codec.encode(event))
+            await ws.close(1011, "fell behind the session's log")

@@ -1,0 +1,269 @@
+"""Shared state for several instances, in Redis.
+
+Per session:
+- `tw:{sid}:log`, a stream of its events with entry id `0-<seq>`, written
+  before the events reach the socket (so a client never holds an event the
+  log lacks). XADD with approximate MAXLEN; a TTL refreshed on every write.
+  An entry's `e` is the event (msgpack); the last entry of a batch may carry
+  `p`, the generations' progress (output tokens, token ids) the events omit.
+- `tw:{sid}:state`, the session snapshot at seq `n`, rewritten whenever the
+  conversation's structure changes; text after it is in the log's deltas.
+- `tw:{sid}:meta`, a hash: the owning instance and the API key id.
+
+Per instance:
+- `tw:inst:{iid}`, a lease kept alive by a heartbeat. Once it is gone the
+  owner is dead (or drained) and another instance may take its sessions over.
+- `tw:inst:{iid}:inbox`, a stream of client events forwarded to the owner by
+  an instance that follows one of its sessions.
+
+Explicit stream ids also fence: an owner that lost its session to a takeover
+fails its next XADD (the id is no longer the greatest) and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import redis.asyncio as redis
+from redis.exceptions import ResponseError
+
+from .logs import get_logger
+
+log = get_logger("tokenwire.redis")
+
+# Hand the session to `new` only if `old` still owns it.
+_CLAIM = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _seq(entry_id: bytes) -> int:
+    return int(entry_id.split(b"-", 1)[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    seq: int
+    event: bytes  # msgpack
+    progress: dict[str, list[Any]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    owner: str
+    key_id: str | None
+
+
+class Fenced(Exception):
+    """Another instance owns the session now."""
+
+
+class RedisStore:
+    def __init__(
+        self, url: str, *, ttl_s: float, maxlen: int, lease_s: float, instance_id: str | None = None
+    ) -> None:
+        self.redis = redis.Redis.from_url(url, decode_responses=False)
+        self.url = url
+        self.ttl_ms = int(ttl_s * 1000)
+        self.maxlen = maxlen
+        self.lease_ms = int(lease_s * 1000)
+        self.instance_id = instance_id or f"inst_{secrets.token_hex(6)}"
+        self._claim = self.redis.register_script(_CLAIM)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- keys -----------------------------------------------------------------
+
+    @staticmethod
+    def _log(sid: str) -> str:
+        return f"tw:{sid}:log"
+
+    @staticmethod
+    def _state(sid: str) -> str:
+        return f"tw:{sid}:state"
+
+    @staticmethod
+    def _meta(sid: str) -> str:
+        return f"tw:{sid}:meta"
+
+    @staticmethod
+    def _lease(iid: str) -> str:
+        return f"tw:inst:{iid}"
+
+    @staticmethod
+    def _inbox(iid: str) -> str:
+        return f"tw:inst:{iid}:inbox"
+
+    # -- instance lifecycle -----------------------------------------------------
+
+    async def start(self, on_forward: Callable[[str, str, Any], Awaitable[None] | None]) -> None:
+        """Take the lease (fails fast if Redis is unreachable), then keep it
+        and read the inbox in the background."""
+        await self.redis.set(self._lease(self.instance_id), b"1", px=self.lease_ms)
+        self._tasks = [
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._read_inbox(on_forward)),
+        ]
+        log.info("redis_connected", url=_redact(self.url), instance_id=self.instance_id)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            try:
+                await self.redis.set(self._lease(self.instance_id), b"1", px=self.lease_ms)
+            except redis.RedisError as exc:
+                log.warning("lease_renew_failed", error=str(exc))
+
+    async def _read_inbox(self, on_forward: Callable[[str, str, Any], Any]) -> None:
+        key = self._inbox(self.instance_id)
+        last = b"$"
+        while True:
+            try:
+                got = await self.redis.xread({key: last}, block=1000, count=256)
+            except redis.RedisError as exc:
+                log.warning("inbox_read_failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for _, entries in got:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    try:
+                        sid, op = fields[b"s"].decode(), fields[b"o"].decode()
+                        data = unpack(fields[b"d"]) if b"d" in fields else None
+                        result = on_forward(sid, op, data)
+                        if asyncio.iscoroutine(result):
+                            await result
+                    except Exception:
+                        log.exception("inbox_entry_failed")
+
+    async def release(self) -> None:
+        """Give up the lease at once: our sessions may be taken over now."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, redis.RedisError):
+                await task
+        self._tasks = []
+        with contextlib.suppress(redis.RedisError):
+            await self.redis.delete(self._lease(self.instance_id))
+
+    async def close(self) -> None:
+        await self.release()
+        await self.redis.aclose()
+
+    async def alive(self, iid: str) -> bool:
+        return bool(await self.redis.exists(self._lease(iid)))
+
+    # -- sessions -------------------------------------------------------------
+
+    async def register(self, sid: str, key_id: str | None) -> None:
+        await self.redis.hset(
+            self._meta(sid), mapping={"owner": self.instance_id, "key_id": key_id or ""}
+        )
+        await self.redis.pexpire(self._meta(sid), self.ttl_ms)
+
+    async def meta(self, sid: str) -> Meta | None:
+        got = await self.redis.hgetall(self._meta(sid))
+        if not got:
+            return None
+        return Meta(got[b"owner"].decode(), got[b"key_id"].decode() or None)
+
+    async def claim(self, sid: str, dead_owner: str) -> bool:
+        """Take a session over from a dead owner; False if another instance won."""
+        return bool(await self._claim(keys=[self._meta(sid)], args=[dead_owner, self.instance_id]))
+
+    async def append(
+        self,
+        sid: str,
+        entries: list[tuple[int, bytes]],
+        progress: dict[str, list[Any]] | None,
+        snapshot: tuple[int, dict[str, Any]] | None,
+    ) -> None:
+        """Log a batch (atomically, with the snapshot it goes with)."""
+        key = self._log(sid)
+        pipe = self.redis.pipeline(transaction=True)
+        last = len(entries) - 1
+        for i, (seq, event) in enumerate(entries):
+            fields: dict[str, bytes] = {"e": event}
+            if i == last and progress:
+                fields["p"] = pack(progress)
+            pipe.xadd(key, fields, id=f"0-{seq}", maxlen=self.maxlen, approximate=True)
+        if snapshot is not None:
+            pipe.set(self._state(sid), pack({"seq": snapshot[0], "session": snapshot[1]}))
+        for k in (key, self._state(sid), self._meta(sid)):
+            pipe.pexpire(k, self.ttl_ms)
+        try:
+            await pipe.execute()
+        except ResponseError as exc:
+            if "equal or smaller" in str(exc):
+                raise Fenced(sid) from None
+            raise
+
+    async def read(self, sid: str, after: int, count: int = 512) -> list[Entry]:
+        got = await self.redis.xrange(self._log(sid), min=f"(0-{after}", count=count)
+        return [_entry(i, f) for i, f in got]
+
+    async def follow(self, sid: str, after: int, block_ms: int) -> list[Entry]:
+        got = await self.redis.xread({self._log(sid): f"0-{after}"}, block=block_ms, count=512)
+        return [_entry(i, f) for _, entries in got for i, f in entries]
+
+    async def bounds(self, sid: str) -> tuple[int, int] | None:
+        """The oldest and newest seq still logged."""
+        first = await self.redis.xrange(self._log(sid), count=1)
+        last = await self.redis.xrevrange(self._log(sid), count=1)
+        if not first or not last:
+            return None
+        return _seq(first[0][0]), _seq(last[0][0])
+
+    async def load(self, sid: str) -> tuple[dict[str, Any], list[Entry]] | None:
+        """The last snapshot and every entry logged after it."""
+        raw = await self.redis.get(self._state(sid))
+        if raw is None:
+            return None
+        state = unpack(raw)
+        entries: list[Entry] = []
+        after = state["seq"]
+        while batch := await self.read(sid, after):
+            entries.extend(batch)
+            after = batch[-1].seq
+        return state, entries
+
+    async def forward(self, owner: str, sid: str, op: str, data: Any = None) -> None:
+        fields = {"s": sid, "o": op}
+        if data is not None:
+            fields["d"] = pack(data)
+        await self.redis.xadd(self._inbox(owner), fields, maxlen=10_000, approximate=True)
+        await self.redis.pexpire(self._inbox(owner), self.ttl_ms)
+
+    async def drop(self, sid: str) -> None:
+        """The session ended: its log goes with it."""
+        with contextlib.suppress(redis.RedisError):
+            await self.redis.delete(self._log(sid), self._state(sid), self._meta(sid))
+
+
+def _entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
+    progress = unpack(fields[b"p"]) if b"p" in fields else None
+    return Entry(_seq(entry_id), fields[b"e"], progress)
+
+
+def _redact(url: str) -> str:
+    # redis://user:password@host -> redis://***@host
+    head, sep, tail = url.rpartition("@")
+    return f"{head.split('//', 1)[0]}//***@{tail}" if sep else url

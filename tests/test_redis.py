@@ -1,0 +1,256 @@
+"""Several instances sharing a real redis-server: resume on another instance,
+follow the owner's live tail, SIGTERM drain with handover, kill -9 takeover."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import pytest
+import redis
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
+
+from .conftest import ARTIFACTS, RedisServer, Spawned, http_json, spawn_server
+from .test_resume import Wire, expected, resume, start_stream
+
+
+@contextmanager
+def instances(
+    redis_server: RedisServer, *extra: str, rate: int = 200, n: int = 2, name: str = "redis"
+) -> Iterator[list[Spawned]]:
+    """N `tokenwire serve` processes (scripted engine) sharing one Redis."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    with ExitStack() as stack:
+        yield [
+            stack.enter_context(
+                spawn_server(
+                    "--engine",
+                    "scripted",
+                    "--scripted-tokens-per-s",
+                    str(rate),
+                    "--redis-url",
+                    redis_server.url,
+                    "--lease-s",
+                    "1",
+                    "--resume-grace-s",
+                    "10",
+                    "--max-events-per-s",
+                    "0",
+                    *extra,
+                    log_path=ARTIFACTS / f"{name}-{chr(97 + i)}.log",
+                )
+            )
+            for i in range(n)
+        ]
+
+
+class Reader:
+    """Reads one session's events across sockets, checking seq as it goes."""
+
+    def __init__(self, wire: Wire, last_seq: int) -> None:
+        self.wire = wire
+        self.last_seq = last_seq
+        self.text = ""
+        self.events: list[dict] = []
+
+    async def next(self) -> dict:
+        event = await self.wire.recv()
+        assert event["seq"] == self.last_seq + 1, (event, self.last_seq)  # no gap, no duplicate
+        self.last_seq = event["seq"]
+        self.text += event.get("delta", "")
+        self.events.append(event)
+        return event
+
+    async def until(self, kind: str) -> dict:
+        while (event := await self.next())["type"] != kind:
+            pass
+        return event
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+
+def keys_of(redis_server: RedisServer, sid: str) -> list[bytes]:
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        return client.keys(f"tw:{sid}:*")
+    finally:
+        client.close()
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
+
+
+async def test_resume_on_another_instance_follows_the_owner(redis_server: RedisServer) -> None:
+    with instances(redis_server, rate=100, name="follow") as (a, b):
+        wire, sid = await start_stream(a.url, 150)
+        reader = Reader(wire, 1)
+        while reader.last_seq < 20:
+            await reader.next()
+        wire.ws.transport.abort()  # the network drops; the client comes back elsewhere
+        wire, _ = await resume(b.url, sid, reader.last_seq, protocol="msgpack")
+        reader.wire = wire
+        done = await reader.until("response.done")
+        assert reader.text == expected(150)
+        assert done["response"]["status"] == "completed"
+        [resumed] = reader.of("session.resumed")
+        assert resumed["session"]["id"] == sid and resumed["last_seq"] == 20
+        # The session still lives on A; what the client sends through B runs there.
+        await wire.send(
+            {
+                "type": "conversation.item.create",
+                "event_id": "c1",
+                "item": {"type": "message", "role": "user", "content": "hello there"},
+            }
+        )
+        created = await reader.until("conversation.item.created")
+        assert created["event_id"] == "c1"
+        await wire.send({"type": "response.create", "event_id": "c2"})
+        reader.text = ""
+        done = await reader.until("response.done")
+        assert reader.text == "You said: hello there"
+        # Bad input through the follower gets the owner's error, with its event_id.
+        await wire.send({"type": "response.cancel", "event_id": "c3"})
+        error = await reader.until("error")
+        assert error["error"]["code"] == "response_not_active"
+        assert error["error"]["event_id"] == "c3"
+        assert http_json(a.http + "/healthz")[1]["sessions"] == 1
+        assert http_json(b.http + "/healthz")[1]["sessions"] == 0  # B only follows
+        assert keys_of(redis_server, sid)
+        await wire.ws.close()  # a clean close ends the session on its owner...
+        assert await wait_until(lambda: not keys_of(redis_server, sid))  # ...and its log
+
+
+async def test_hundred_random_disconnects_across_instances(redis_server: RedisServer) -> None:
+    rng = random.Random(20261122)
+    n = 1500
+    with instances(redis_server, rate=400, name="random") as servers:
+        wire, sid = await start_stream(servers[0].url, n)
+        reader = Reader(wire, 1)
+        done, drops, unplanned = None, 0, 0
+        while done is None:
+            budget = rng.randint(0, 12) if drops < 100 else 10**9
+            try:
+                for _ in range(budget):
+                    event = await reader.next()
+                    if event["type"] == "response.done":
+                        done = event["response"]
+                        break
+                else:
+                    drops += 1
+            except ConnectionClosed:
+                # A follower's late attach on the owner may close a socket
+                # the client had already moved to the owner: resume again.
+                unplanned += 1
+            if done is None:
+                reader.wire.ws.transport.abort()
+                reader.wire, _ = await resume(
+                    rng.choice(servers).url, sid, reader.last_seq, rng.choice(["json", "msgpack"])
+                )
+        assert drops >= 100
+        assert unplanned <= 5
+        assert done["status"] == "completed"
+        assert reader.text == expected(n)  # identical to an uninterrupted run
+        await reader.wire.ws.close()
+
+
+async def test_resume_of_unknown_or_foreign_sessions(redis_server: RedisServer) -> None:
+    with instances(redis_server, "--api-keys", "key-one,key-two", name="keys") as (a, b):
+        one = await ws_connect(a.url, additional_headers={"Authorization": "Bearer key-one"})
+        sid = json.loads(await one.recv())["session"]["id"]
+        for key, session_id in (("key-two", sid), ("key-one", "sess_unknown")):
+            other = await ws_connect(b.url, additional_headers={"Authorization": f"Bearer {key}"})
+            await other.recv()
+            await other.send(
+                json.dumps(
+                    {
+                        "type": "session.resume",
+                        "session_id": session_id,
+                        "last_seq": 1,
+                        "event_id": "r",
+                    }
+                )
+            )
+            error = json.loads(await other.recv())
+            assert error["error"]["code"] == "session_not_found", error
+            await other.close()
+        await one.close()
+
+
+async def test_sigterm_drain_hands_running_responses_over(redis_server: RedisServer) -> None:
+    n = 200
+    with instances(redis_server, "--drain-timeout-s", "0.5", rate=50, name="drain") as (a, b):
+        wire, sid = await start_stream(a.url, n)
+        reader = Reader(wire, 1)
+        while reader.last_seq < 10:
+            await reader.next()
+        a.proc.send_signal(signal.SIGTERM)
+        going = await reader.until("session.going_away")
+        assert going["reason"] == "shutdown" and going["retry_after_ms"] == 0
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                await reader.next()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012
+        assert not reader.of("response.done")  # not cancelled: handed over
+        assert a.proc.wait(timeout=30) == 0
+        wire, _ = await resume(b.url, sid, reader.last_seq)
+        reader.wire = wire
+        done = await reader.until("response.done")
+        assert done["response"]["status"] == "completed"
+        assert reader.text == expected(n)
+        assert done["response"]["usage"]["output_tokens"] == n
+        await wire.ws.close()
+
+
+async def test_sigterm_drain_lets_short_responses_finish(redis_server: RedisServer) -> None:
+    with instances(redis_server, "--drain-timeout-s", "20", rate=20, n=1, name="drain-short") as (
+        a,
+    ):
+        wire, sid = await start_stream(a.url, 30)  # 1.5 s at 20 tokens/s
+        reader = Reader(wire, 1)
+        await reader.until("response.output_text.delta")
+        a.proc.send_signal(signal.SIGTERM)
+        await reader.until("session.going_away")
+        # Draining: not ready, and no new connections.
+        assert http_json(a.http + "/readyz")[0] == 503
+        with pytest.raises(Exception, match="503"):
+            await ws_connect(a.url)
+        done = await reader.until("response.done")
+        assert done["response"]["status"] == "completed"
+        assert reader.text == expected(30)
+        with pytest.raises(ConnectionClosed):
+            await reader.next()
+        assert a.proc.wait(timeout=30) == 0
+        assert keys_of(redis_server, sid)  # resumable elsewhere, conversation and all
+
+
+async def test_kill_9_takeover(redis_server: RedisServer) -> None:
+    n = 150
+    with instances(redis_server, rate=50, name="kill") as (a, b):
+        wire, sid = await start_stream(a.url, n)
+        reader = Reader(wire, 1)
+        while reader.last_seq < 15:
+            await reader.next()
+        a.proc.kill()  # SIGKILL: no drain, no goodbye
+        a.proc.wait()
+        # B first follows (the lease still looks alive), then takes over.
+        wire, _ = await resume(b.url, sid, reader.last_seq, protocol="msgpack")
+        reader.wire = wire
+        done = await reader.until("response.done")
+        assert done["response"]["status"] == "completed"
+        assert reader.text == expected(n)  # one complete answer
+        assert len(reader.of("response.created")) == 1  # the same response, continued
+        with urllib.request.urlopen(b.http + "/metrics", timeout=5) as r:
+            assert "tokenwire_session_takeovers_total 1.0" in r.read().decode()
+        await wire.ws.close()
