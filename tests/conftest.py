@@ -175,8 +175,9 @@ class VllmServer:
 
 
 @pytest.fixture(scope="session")
-def vllm_server() -> Iterator[VllmServer]:
-    """One real `tokenwire serve --engine vllm` (SmolLM2 on the CPU) for the whole run."""
+def vllm_server(redis_server: RedisServer) -> Iterator[VllmServer]:
+    """One real `tokenwire serve --engine vllm` (SmolLM2 on the CPU) for the whole
+    run; with Redis, so every real-engine test goes through the shared log."""
     ARTIFACTS.mkdir(exist_ok=True)
     log_path = ARTIFACTS / "vllm-server.log"
     env = dict(os.environ, TOKENWIRE_KV_CACHE_GIB="1", TOKENWIRE_LOG_LEVEL="info")
@@ -186,6 +187,8 @@ def vllm_server() -> Iterator[VllmServer]:
         "--engine",
         "vllm",
         *VLLM_BACKPRESSURE_FLAGS,
+        "--redis-url",
+        redis_server.url,
         env=env,
         log_path=log_path,
         ready_timeout=600,

@@ -1,0 +1,63 @@
+"""Crash takeover on the real engine: the owner is killed mid-answer, and
+another vLLM instance continues the same response from the token ids logged
+in Redis. With greedy decoding the text equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tokenwire.client import connect
+
+from .conftest import ARTIFACTS, RedisServer, VllmServer, spawn_server
+from .test_redis import Reader
+from .test_resume import Wire, resume
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = "Write a short poem about the sea."
+TOKENS = 64
+
+
+async def test_kill_9_takeover_keeps_greedy_text(
+    vllm_server: VllmServer, redis_server: RedisServer
+) -> None:
+    params = {"temperature": 0, "max_output_tokens": TOKENS, "ignore_eos": True}
+    async with await connect(vllm_server.url) as tw:
+        await tw.add_message(PROMPT)
+        baseline = await tw.create_response(**params)
+        expected = await baseline.text()
+    env = dict(os.environ, TOKENWIRE_KV_CACHE_GIB="1")
+    with spawn_server(
+        "--engine",
+        "vllm",
+        "--redis-url",
+        redis_server.url,
+        "--lease-s",
+        "1",
+        env=env,
+        log_path=ARTIFACTS / "vllm-owner.log",
+        ready_timeout=600,
+    ) as owner:
+        wire = await Wire.open(owner.url)
+        sid = (await wire.recv())["session"]["id"]
+        await wire.send(
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": PROMPT},
+            }
+        )
+        await wire.send({"type": "response.create", "response": params})
+        reader = Reader(wire, 1)
+        for _ in range(8):
+            await reader.until("response.output_text.delta")
+        owner.proc.kill()  # mid-answer, no goodbye
+        owner.proc.wait()
+    # vllm_server shares the Redis: it follows, sees the lease lapse, takes over.
+    reader.wire, _ = await resume(vllm_server.url, sid, reader.last_seq)
+    done = await reader.until("response.done")
+    assert done["response"]["usage"]["output_tokens"] == TOKENS
+    assert reader.text == expected
+    assert len(reader.of("response.created")) == 1  # one response, continued
+    await reader.wire.ws.close()
