@@ -254,3 +254,16 @@ async def test_kill_9_takeover(redis_server: RedisServer) -> None:
         with urllib.request.urlopen(b.http + "/metrics", timeout=5) as r:
             assert "tokenwire_session_takeovers_total 1.0" in r.read().decode()
         await wire.ws.close()
+
+
+async def test_grace_period_ends_the_session_and_its_log(redis_server: RedisServer) -> None:
+    with instances(redis_server, "--resume-grace-s", "1", n=1, rate=50, name="grace") as (a,):
+        wire, sid = await start_stream(a.url, 10**6)
+        await Reader(wire, 1).until("response.output_text.delta")
+        wire.ws.transport.abort()
+        assert keys_of(redis_server, sid)  # kept, and still being written, for a resume...
+        assert await wait_until(lambda: not keys_of(redis_server, sid))  # ...until the grace ends
+        health = http_json(a.http + "/healthz")[1]
+        assert health["sessions"] == 0 and health["engine_load"]["running"] == 0
+        wire, _ = await resume(a.url, sid, 2)
+        assert (await wire.recv())["error"]["code"] == "session_not_found"
