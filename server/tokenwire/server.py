@@ -456,9 +456,11 @@ class TokenwireServer:
         while busy and loop.time() < deadline:
             await asyncio.sleep(0.05)
             busy = self._busy()
-        for runtime in list(self.sessions.values()):
-            if self.store is not None:
-                await runtime.hand_over()
+        runtimes = list(self.sessions.values())
+        if self.store is not None:
+            # Concurrently: each waits up to a few seconds for its socket.
+            await asyncio.gather(*(r.hand_over() for r in runtimes), return_exceptions=True)
+        for runtime in runtimes:
             await self._end_session(runtime)
         if self.store is not None:
             await self.store.release()  # no lease: the others may take over now

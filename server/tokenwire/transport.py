@@ -447,11 +447,7 @@ class Connection:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._wait_socket_below(0), 1)
         self.state = "handed_over"
-        if self.ws is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    self.ws.close(CLOSE_SERVICE_RESTART, "draining; resume the session"), 2
-                )
+        await self._close_socket(CLOSE_SERVICE_RESTART, "draining; resume the session")
         self.detached.set()
         self.log.info("session_handed_over", last_seq=self._logged_seq)
 
@@ -716,10 +712,17 @@ class Connection:
         self.state = "handed_over"
         self.session.suspend()
         self._pump()
-        if self.ws is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.ws.close(CLOSE_SERVICE_RESTART, "session moved"), 2)
+        await self._close_socket(CLOSE_SERVICE_RESTART, "session moved")
         self.detached.set()
+
+    async def _close_socket(self, code: int, reason: str) -> None:
+        """Close with a code the client can act on; drop it if it does not answer."""
+        if self.ws is None:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ws.close(code, reason), 1)
+        if self.ws.transport is not None:
+            self.ws.transport.abort()
 
     # -- engine and timers ---------------------------------------------------
 
