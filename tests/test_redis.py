@@ -267,3 +267,51 @@ async def test_grace_period_ends_the_session_and_its_log(redis_server: RedisServ
         assert health["sessions"] == 0 and health["engine_load"]["running"] == 0
         wire, _ = await resume(a.url, sid, 2)
         assert (await wire.recv())["error"]["code"] == "session_not_found"
+
+
+async def test_draining_a_follower_instance_keeps_the_session(redis_server: RedisServer) -> None:
+    n = 200
+    with instances(redis_server, "--drain-timeout-s", "0.5", rate=50, name="drain-follower") as (
+        a,
+        b,
+    ):
+        wire, sid = await start_stream(a.url, n)
+        reader = Reader(wire, 1)
+        await reader.until("response.output_text.delta")
+        wire.ws.transport.abort()
+        reader.wire, _ = await resume(b.url, sid, reader.last_seq)  # B follows A's session
+        while reader.last_seq < 20:
+            await reader.next()
+        b.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                await reader.next()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012
+        assert b.proc.wait(timeout=30) == 0
+        reader.wire, _ = await resume(a.url, sid, reader.last_seq)  # back to the owner
+        done = await reader.until("response.done")
+        assert done["response"]["status"] == "completed"
+        assert reader.text == expected(n)
+
+
+async def test_a_stalled_owner_is_fenced_after_a_takeover(redis_server: RedisServer) -> None:
+    n = 200
+    with instances(redis_server, rate=50, name="fence") as (a, b):
+        wire, sid = await start_stream(a.url, n)
+        reader = Reader(wire, 1)
+        while reader.last_seq < 10:
+            await reader.next()
+        wire.ws.transport.abort()
+        a.proc.send_signal(signal.SIGSTOP)  # frozen, not dead: its lease lapses
+        try:
+            reader.wire, _ = await resume(b.url, sid, reader.last_seq)
+            while reader.last_seq < 20:  # B took over and generates
+                await reader.next()
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        # A wakes up, fails its next write to the log and lets the session go.
+        assert await wait_until(lambda: http_json(a.http + "/healthz")[1]["sessions"] == 0)
+        done = await reader.until("response.done")
+        assert done["response"]["status"] == "completed"
+        assert reader.text == expected(n)
+        assert http_json(b.http + "/healthz")[1]["sessions"] == 1

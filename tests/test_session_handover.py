@@ -122,3 +122,26 @@ def test_snapshot_keeps_the_conversation_and_settings() -> None:
     assert events[0]["error"]["code"] == "response_not_active"
     _, action2 = start(r, "two")
     assert [m["content"] for m in action2.request.messages] == ["Be brief.", "one", "uno", "two"]
+
+
+def test_abandon_frees_the_key_quota_and_says_nothing() -> None:
+    class Quota:
+        held = 0
+
+        def acquire_response(self) -> None:
+            self.held += 1
+
+        def release_response(self) -> None:
+            self.held -= 1
+
+        def spend_tokens(self, n: int) -> None:
+            pass
+
+    quota = Quota()
+    s = Session(quota=quota)
+    start(s)
+    assert quota.held == 1
+    s.abandon()
+    assert quota.held == 0 and not s.active_responses
+    assert s.events_to_send() == []
+    assert isinstance(s.actions_to_perform()[-1], AbortGeneration)

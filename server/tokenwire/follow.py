@@ -21,7 +21,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from .logs import get_logger
-from .protocol import Codec, ErrorCode, error_event
+from .protocol import CLOSE_SERVICE_RESTART, Codec, ErrorCode, error_event
 from .redisstore import RedisStore, unpack
 
 if TYPE_CHECKING:
@@ -45,10 +45,12 @@ class Follower:
         self._take_over = take_over
         self._ping_s = ping_s
         self.log = log.bind(session_id=session_id, owner=owner)
+        self._ws: ServerConnection | None = None
 
     async def serve(self, ws: ServerConnection, resume_from: int | None = None) -> Outcome:
         from .transport import Handoff
 
+        self._ws = ws
         codec = Codec(ws.subprotocol)
         sent = resume_from or 0
         await self.store.forward(self.owner, self.session_id, "attach", {"last_seq": sent})
@@ -104,12 +106,25 @@ class Follower:
 
     async def _forward_frames(self, ws: ServerConnection) -> bool:
         """Client frames to the owner; True once the client closed cleanly."""
-        try:
+        with contextlib.suppress(ConnectionClosed):
             async for frame in ws:
                 await self.store.forward(self.owner, self.session_id, "frame", frame)
-        except ConnectionClosed as exc:
-            return exc.rcvd is not None and exc.rcvd.code in (1000, 1001)
-        return True
+        # Only a close the client started counts: our own 1012 is echoed back.
+        rcvd = ws.protocol.close_rcvd
+        return bool(
+            rcvd is not None and rcvd.code in (1000, 1001) and ws.protocol.close_rcvd_then_sent
+        )
+
+    async def close(self) -> None:
+        """This instance drains: the client resumes elsewhere (no going_away:
+        the follower has no seq of its own to give it)."""
+        if self._ws is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self._ws.close(CLOSE_SERVICE_RESTART, "draining; resume the session"), 1
+                )
+            if self._ws.transport is not None:
+                self._ws.transport.abort()
 
     async def _fail(self, ws: ServerConnection, codec: Codec, got: int, sent: int) -> None:
         event = error_event(

@@ -157,9 +157,9 @@ class RedisStore:
         """Give up the lease at once: our sessions may be taken over now."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, redis.RedisError):
-                await task
+        if self._tasks:
+            # Bounded: redis-py can miss a cancel that lands as a read returns.
+            await asyncio.wait(self._tasks, timeout=2)
         self._tasks = []
         with contextlib.suppress(redis.RedisError):
             await self.redis.delete(self._lease(self.instance_id))

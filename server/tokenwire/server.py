@@ -119,6 +119,7 @@ class TokenwireServer:
             else None
         )
         self.draining = False
+        self.followers: set[Follower] = set()  # sockets following another instance's session
 
     # -- HTTP -------------------------------------------------------------
 
@@ -248,13 +249,14 @@ class TokenwireServer:
         resume_from: int | None = None
         try:
             while True:
-                if isinstance(runtime, Connection):
-                    self.connections.add(runtime)
+                group: set[Any] = (
+                    self.connections if isinstance(runtime, Connection) else self.followers
+                )
+                group.add(runtime)
                 try:
                     outcome = await runtime.serve(ws, resume_from)
                 finally:
-                    if isinstance(runtime, Connection):
-                        self.connections.discard(runtime)
+                    group.discard(runtime)
                 if not isinstance(outcome, Handoff):
                     break
                 if isinstance(runtime, Connection):
@@ -295,6 +297,7 @@ class TokenwireServer:
         runtime = Connection(
             self.engine, self.config, usage, self.find_session, subprotocol, self.store, restored
         )
+        runtime.on_moved = self._forget
         self.sessions[runtime.session.id] = runtime
         if self.store is not None and restored is None:
             await self.store.register(runtime.session.id, usage.key_id)
@@ -380,6 +383,13 @@ class TokenwireServer:
         if self.store is not None and runtime.state == "ended":
             await self.store.drop(runtime.session.id)
 
+    def _forget(self, runtime: Connection) -> None:
+        """The session moved to another instance: it is no longer ours."""
+        if self.sessions.get(runtime.session.id) is runtime:
+            del self.sessions[runtime.session.id]
+        if runtime.expiry is not None:
+            runtime.expiry.cancel()
+
     def _expire(self, runtime: Connection) -> None:
         if runtime.state in ("detached", "remote"):
             runtime.log.info("resume_grace_over")
@@ -457,6 +467,7 @@ class TokenwireServer:
             await asyncio.sleep(0.05)
             busy = self._busy()
         runtimes = list(self.sessions.values())
+        await asyncio.gather(*(f.close() for f in list(self.followers)))
         if self.store is not None:
             # Concurrently: each waits up to a few seconds for its socket.
             await asyncio.gather(*(r.hand_over() for r in runtimes), return_exceptions=True)
@@ -467,7 +478,11 @@ class TokenwireServer:
         log.info("drained", handed_over=busy if self.store is not None else 0)
 
     def _busy(self) -> int:
-        return sum(len(r.session.active_responses) for r in self.sessions.values())
+        return sum(
+            len(r.session.active_responses)
+            for r in self.sessions.values()
+            if r.state != "handed_over"
+        )
 
     async def close(self) -> None:
         if self._server is not None:

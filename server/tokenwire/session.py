@@ -526,6 +526,16 @@ class Session:
                 self._abort_current(resp)
                 resp.paused = True
 
+    def abandon(self) -> None:
+        """Another instance owns this session now: stop and forget its responses."""
+        self.suspend()
+        for resp in self.active_responses:
+            if self._quota is not None:
+                self._quota.release_response()
+            del self.responses[resp.id]
+        self._events.clear()
+        self.closed = True
+
     def resume(self) -> list[str]:
         """The client drained: continue paused generations after their tokens."""
         resumed = []
@@ -950,7 +960,7 @@ class Session:
 
         Taken when the conversation's structure changes; text produced after
         it is carried by the logged delta events (`replay_delta`)."""
-        now = self.clock()
+        now, wall = self.clock(), time.time()
         return {
             "id": self.id,
             "config": self.config,
@@ -961,7 +971,7 @@ class Session:
             "calls": {
                 cid: [item["id"], rid, done] for cid, (item, rid, done) in self._calls.items()
             },
-            "responses": [_describe_state(r, now) for r in self.active_responses],
+            "responses": [_describe_state(r, now, wall) for r in self.active_responses],
         }
 
     @classmethod
@@ -976,7 +986,7 @@ class Session:
         session._items_by_id = {it["id"]: it for it in session.items}
         session.history_bytes = state["history_bytes"]
         session._finished = OrderedDict((rid, status) for rid, status in state["finished"])
-        now = session.clock()
+        now, wall = session.clock(), time.time()
         for rs in state["responses"]:
             context = session.items if rs["in_conversation"] else rs["context"]
             for item in context:
@@ -990,7 +1000,7 @@ class Session:
                 params=rs["params"],
                 metadata=rs["metadata"],
                 context=context,
-                created_at=now - rs["age_s"],
+                created_at=now - (wall - rs["created_wall"]),
                 tool_choice=rs["tool_choice"],
                 status=rs["status"],
                 output=[by_id[i] for i in rs["output"]],
@@ -1005,7 +1015,9 @@ class Session:
                 input_tokens=rs["input_tokens"],
                 cached_tokens=rs["cached_tokens"],
                 output_tokens=rs["output_tokens"],
-                first_token_at=None if rs["ttft_age_s"] is None else now - rs["ttft_age_s"],
+                first_token_at=None
+                if rs["first_token_wall"] is None
+                else now - (wall - rs["first_token_wall"]),
             )
             session.responses[resp.id] = resp
             if session._quota is not None:
@@ -1089,7 +1101,7 @@ _ArgumentsValidator = jsonschema.validators.extend(
 )
 
 
-def _describe_state(resp: Response, now: float) -> dict[str, Any]:
+def _describe_state(resp: Response, now: float, wall: float) -> dict[str, Any]:
     """A response's part of Session.snapshot()."""
     req = resp.gen_request
     resp.logged_ids = len(resp.gen_token_ids)
@@ -1100,7 +1112,8 @@ def _describe_state(resp: Response, now: float) -> dict[str, Any]:
         "params": resp.params,
         "metadata": resp.metadata,
         "context": [] if resp.in_conversation else resp.context,
-        "age_s": now - resp.created_at,
+        # Wall clock: the instance that restores it has its own monotonic clock.
+        "created_wall": wall - (now - resp.created_at),
         "tool_choice": resp.tool_choice,
         "status": resp.status,
         "output": [item["id"] for item in resp.output],
@@ -1116,7 +1129,9 @@ def _describe_state(resp: Response, now: float) -> dict[str, Any]:
         "input_tokens": resp.input_tokens,
         "cached_tokens": resp.cached_tokens,
         "output_tokens": resp.output_tokens,
-        "ttft_age_s": None if resp.first_token_at is None else now - resp.first_token_at,
+        "first_token_wall": None
+        if resp.first_token_at is None
+        else wall - (now - resp.first_token_at),
     }
 
 

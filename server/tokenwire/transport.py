@@ -170,6 +170,7 @@ class Connection:
         self.detached.set()
         self.expiry: asyncio.TimerHandle | None = None  # end of the resume grace period
         self._first_frame = True
+        self.on_moved: Callable[[Connection], None] | None = None  # set by the server
         self.log = log.bind(session_id=self.session.id, key_id=usage.key_id if usage else None)
 
     @property
@@ -710,8 +711,11 @@ class Connection:
     async def _lost_ownership(self) -> None:
         """Another instance took this session over: stop, silently."""
         self.state = "handed_over"
-        self.session.suspend()
+        self._cancel_timers()
+        self.session.abandon()
         self._pump()
+        if self.on_moved is not None:
+            self.on_moved(self)
         await self._close_socket(CLOSE_SERVICE_RESTART, "session moved")
         self.detached.set()
 
