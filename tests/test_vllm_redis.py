@@ -4,8 +4,10 @@ in Redis. With greedy decoding the text equals an uninterrupted run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
+import psutil
 import pytest
 
 from tokenwire.client import connect
@@ -52,8 +54,14 @@ async def test_kill_9_takeover_keeps_greedy_text(
         reader = Reader(wire, 1)
         for _ in range(8):
             await reader.until("response.output_text.delta")
-        owner.proc.kill()  # mid-answer, no goodbye
+        # Mid-answer, no goodbye: the whole instance dies, as with a lost machine
+        # (vLLM's engine-core child would otherwise outlive its parent).
+        family = psutil.Process(owner.proc.pid).children(recursive=True)
+        owner.proc.kill()
         owner.proc.wait()
+        for child in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
     # vllm_server shares the Redis: it follows, sees the lease lapse, takes over.
     reader.wire, _ = await resume(vllm_server.url, sid, reader.last_seq)
     done = await reader.until("response.done")
