@@ -78,9 +78,10 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts client_js/node_modules
 
 # Every benchmark, one after the other (they must not share the 2 cores);
-# results go to benchmarks/results/. About 10 minutes.
+# results go to benchmarks/results/ (JSON, Markdown, PNG). About 30 minutes.
+BENCHMARKS := first_answer steer_tool_latency backpressure vs_vllm engine_ceiling \
+	cancel_steer_latency gateway_ceiling connections
+
 bench: install-test model
-	$(BIN)/python -m benchmarks.first_answer
-	$(BIN)/python -m benchmarks.steer_tool_latency
-	$(BIN)/python -m benchmarks.backpressure
-	$(BIN)/python -m benchmarks.vs_vllm
+	@for b in $(BENCHMARKS); do \
+	  echo ">> benchmarks.$$b"; $(BIN)/python -m benchmarks.$$b || exit 1; done

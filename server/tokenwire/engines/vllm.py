@@ -118,6 +118,11 @@ class VllmEngine:
         )
         self._tokenizer = self._llm.get_tokenizer()
         self._max_len = self._llm.model_config.max_model_len
+        # vLLM reads settings from the environment per token unless cached;
+        # its own servers cache them once started (engine core does the same).
+        from vllm.envs import enable_envs_cache
+
+        enable_envs_cache()
         log.info("engine_ready", model=self.model_path, max_model_len=self._max_len)
 
     async def close(self) -> None:
