@@ -315,3 +315,22 @@ async def test_a_stalled_owner_is_fenced_after_a_takeover(redis_server: RedisSer
         assert done["response"]["status"] == "completed"
         assert reader.text == expected(n)
         assert http_json(b.http + "/healthz")[1]["sessions"] == 1
+
+
+async def test_hostile_resumes_get_errors_and_harm_nothing(redis_server: RedisServer) -> None:
+    with instances(redis_server, n=1, rate=100, name="hostile") as (a,):
+        wire, sid = await start_stream(a.url, 100)
+        reader = Reader(wire, 1)
+        cases = [
+            ("tw:*", 1, "session_not_found"),  # a glob is just a name
+            ("x" * 200, 1, "invalid_field"),
+            (sid, 2**64 - 1, "resume_not_possible"),  # past the end of the log
+        ]
+        for session_id, last_seq, code in cases:
+            other, _ = await resume(a.url, session_id, last_seq)
+            error = await other.recv()
+            assert error["error"]["code"] == code, error
+            await other.ws.close()
+        # The session under attack streams on, whole.
+        await reader.until("response.done")
+        assert reader.text == expected(100)

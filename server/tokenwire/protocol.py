@@ -311,7 +311,7 @@ class ResponseSteer(_ClientEvent):
 
 class SessionResume(_ClientEvent):
     type: Literal["session.resume"]
-    session_id: str
+    session_id: Annotated[str, Field(min_length=1, max_length=128)]  # also a Redis key part
     last_seq: Annotated[int, Field(ge=0)]
 
 
