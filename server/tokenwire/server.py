@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -404,6 +405,7 @@ class TokenwireServer:
             await self.store.start(self._on_forward)
         self._engine_task = asyncio.create_task(self.engine.start())
         self._engine_task.add_done_callback(_ignore_result)
+        self._engine_task.add_done_callback(_freeze_heap)
         self._server = await serve(
             self._handle,
             self.config.host,
@@ -517,6 +519,13 @@ def _not_found(event: SessionResume) -> ProtocolError:
         event_id=event.event_id,
         param="session_id",
     )
+
+
+def _freeze_heap(_: asyncio.Task[None]) -> None:
+    # What is loaded by now (the model, libraries) lives for the whole process:
+    # keep it out of every later garbage collection, as vLLM's own server does.
+    gc.collect()
+    gc.freeze()
 
 
 def _ignore_result(task: asyncio.Task[None]) -> None:
