@@ -85,3 +85,4 @@ BENCHMARKS := first_answer steer_tool_latency backpressure vs_vllm engine_ceilin
 bench: install-test model
 	@for b in $(BENCHMARKS); do \
 	  echo ">> benchmarks.$$b"; $(BIN)/python -m benchmarks.$$b || exit 1; done
+	$(BIN)/python -m benchmarks.readme
