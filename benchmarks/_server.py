@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -77,3 +79,91 @@ def run_on_vllm(
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+@contextmanager
+def tokenwire_process(
+    *args: str, log_name: str | None = None, timeout: float = 600
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Like tokenwire_server, but also yields the process, for its pid (RSS, CPU time)."""
+    port = free_port()
+    SCRATCH.mkdir(exist_ok=True)
+    log = open(SCRATCH / (log_name or f"server-{port}.log"), "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenwire", "serve", "--port", str(port), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited; see {log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                    if json.loads(r.read()).get("ready"):
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready in {timeout} s; see {log.name}")
+            time.sleep(0.2)
+        yield f"ws://127.0.0.1:{port}/v1/realtime", proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # 10k sessions can take long to end; never leave it behind
+            proc.wait()
+        log.close()
+
+
+def http_base(ws_url: str) -> str:
+    """http://host:port of a tokenwire ws:// URL, for /healthz and /metrics."""
+    scheme, rest = ws_url.split("://", 1)
+    return ("https://" if scheme == "wss" else "http://") + rest.split("/", 1)[0]
+
+
+def cpu_snapshot() -> tuple[float, float]:
+    """(CPU seconds the machine has been busy, CPU seconds of this process and
+    its live descendants). Their difference over a window is the CPU that
+    *other* programs took: on 2 shared cores, that is what makes figures noisy."""
+    import psutil
+
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait.
+    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    ours = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            ours += t.user + t.system  # not children_*: reaped children are gone already
+        except psutil.Error:
+            pass
+    return busy, ours
+
+
+def other_cpu_cores(before: tuple[float, float], after: tuple[float, float], wall: float) -> float:
+    """Cores used by other programs between two cpu_snapshot() calls."""
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall
+
+
+def wait_for_descendants(timeout: float = 30) -> list[int]:
+    """Wait until every process this one started has exited (an engine core
+    outliving its server would still hold a core); kill stragglers, by pid,
+    and return their pids."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = psutil.Process().children(recursive=True)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return [p.pid for p in alive]

