@@ -31,33 +31,8 @@ def free_port() -> int:
 @contextmanager
 def tokenwire_server(*args: str, timeout: float = 600) -> Iterator[str]:
     """Yields the ws:// URL of a fresh server run with `args`."""
-    port = free_port()
-    SCRATCH.mkdir(exist_ok=True)
-    log = open(SCRATCH / f"server-{port}.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenwire", "serve", "--port", str(port), *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {log.name}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-                    if json.loads(r.read()).get("ready"):
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready in {timeout} s; see {log.name}")
-            time.sleep(0.5)
-        yield f"ws://127.0.0.1:{port}/v1/realtime"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    with tokenwire_process(*args, timeout=timeout) as (url, _):
+        yield url
 
 
 def run_on_vllm(
@@ -85,7 +60,8 @@ def run_on_vllm(
 def tokenwire_process(
     *args: str, log_name: str | None = None, timeout: float = 600
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Like tokenwire_server, but also yields the process, for its pid (RSS, CPU time)."""
+    """Yields the ws:// URL of a fresh server run with `args`, and its process
+    (for its pid: RSS, CPU time)."""
     port = free_port()
     SCRATCH.mkdir(exist_ok=True)
     log = open(SCRATCH / (log_name or f"server-{port}.log"), "wb")
