@@ -572,15 +572,7 @@ class Session:
     # -- internals: output ---------------------------------------------------
 
     def _receive_text(self, resp: Response, text: str) -> None:
-        item = resp.current_item
-        if item is None:
-            item = self._make_item(
-                {"type": "message", "role": "assistant", "content": "", "status": "in_progress"}
-            )
-            self._add_output(resp, item)
-            resp.current_item = item
-        item["content"] += text
-        self.history_bytes += len(text.encode())
+        item = self._append_text(resp, text)
         self._emit(
             {
                 "type": "response.output_text.delta",
@@ -590,24 +582,29 @@ class Session:
             }
         )
 
-    def _receive_call_chunk(
-        self, resp: Response, index: int, name: str | None, arguments: str
-    ) -> None:
-        item = resp.calls.get(index)
+    def _append_text(self, resp: Response, text: str, item_id: str | None = None) -> dict[str, Any]:
+        """Add text to the response's current message (made on first text)."""
+        item = resp.current_item
         if item is None:
             item = self._make_item(
                 {
-                    "type": "function_call",
-                    "call_id": new_id("call"),
-                    "name": name or "",
-                    "arguments": "",
+                    "id": item_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "content": "",
                     "status": "in_progress",
                 }
             )
             self._add_output(resp, item)
-            resp.calls[index] = item
-        item["arguments"] += arguments
-        self.history_bytes += len(arguments.encode())
+            resp.current_item = item
+        item["content"] += text
+        self.history_bytes += len(text.encode())
+        return item
+
+    def _receive_call_chunk(
+        self, resp: Response, index: int, name: str | None, arguments: str
+    ) -> None:
+        item = self._append_call_chunk(resp, index, name, arguments)
         self._emit(
             {
                 "type": "response.function_call_arguments.delta",
@@ -618,6 +615,34 @@ class Session:
                 "delta": arguments,
             }
         )
+
+    def _append_call_chunk(
+        self,
+        resp: Response,
+        index: int,
+        name: str | None,
+        arguments: str,
+        item_id: str | None = None,
+        call_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Add arguments to the index-th call of this generation (made on its first chunk)."""
+        item = resp.calls.get(index)
+        if item is None:
+            item = self._make_item(
+                {
+                    "id": item_id,
+                    "type": "function_call",
+                    "call_id": call_id or new_id("call"),
+                    "name": name or "",
+                    "arguments": "",
+                    "status": "in_progress",
+                }
+            )
+            self._add_output(resp, item)
+            resp.calls[index] = item
+        item["arguments"] += arguments
+        self.history_bytes += len(arguments.encode())
+        return item
 
     def _end_generation(self, resp: Response, finish_reason: str) -> None:
         if finish_reason not in ("stop", "length"):
@@ -1033,43 +1058,20 @@ class Session:
                 session._calls[cid] = (item, rid, done)
         return session
 
-    def replay_delta(self, event: dict[str, Any], token_ids: list[int] | None = None) -> None:
+    def replay_delta(self, event: dict[str, Any]) -> None:
         """Fold a logged delta (sent after the snapshot) back into the state."""
         resp = self.responses.get(event.get("response_id", ""))
         if resp is None:
             return
         if event["type"] == "response.output_text.delta":
-            if resp.current_item is None:
-                item = self._make_item(
-                    {
-                        "id": event["item_id"],
-                        "type": "message",
-                        "role": "assistant",
-                        "content": "",
-                        "status": "in_progress",
-                    }
-                )
-                self._add_output(resp, item)
-                resp.current_item = item
-            resp.current_item["content"] += event["delta"]
-            self.history_bytes += len(event["delta"].encode())
+            self._append_text(resp, event["delta"], event["item_id"])
         elif event["type"] == "response.function_call_arguments.delta":
-            item = next((c for c in resp.calls.values() if c["id"] == event["item_id"]), None)
-            if item is None:
-                item = self._make_item(
-                    {
-                        "id": event["item_id"],
-                        "type": "function_call",
-                        "call_id": event["call_id"],
-                        "name": event["name"],
-                        "arguments": "",
-                        "status": "in_progress",
-                    }
-                )
-                self._add_output(resp, item)
-                resp.calls[len(resp.calls)] = item
-            item["arguments"] += event["delta"]
-            self.history_bytes += len(event["delta"].encode())
+            index = next(
+                (i for i, c in resp.calls.items() if c["id"] == event["item_id"]), len(resp.calls)
+            )
+            self._append_call_chunk(
+                resp, index, event["name"], event["delta"], event["item_id"], event["call_id"]
+            )
 
     def progress(self) -> dict[str, list[Any]]:
         """What the logged deltas do not say: per active response, its output
