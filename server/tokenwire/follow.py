@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed
 
 from .logs import get_logger
 from .protocol import CLOSE_SERVICE_RESTART, Codec, ErrorCode, error_event
-from .redisstore import RedisStore, unpack
+from .redisstore import Meta, RedisStore, unpack
 
 if TYPE_CHECKING:
     from .transport import Connection, Outcome
@@ -36,7 +36,7 @@ class Follower:
         store: RedisStore,
         session_id: str,
         owner: str,
-        take_over: Callable[[str, str], Awaitable[Connection | None]],
+        take_over: Callable[[str, Meta], Awaitable[Connection | None]],
         ping_s: float,
     ) -> None:
         self.store = store
@@ -80,7 +80,7 @@ class Follower:
                     await ws.close(1011, "the session ended")
                     return "ended"
                 if meta.owner != self.owner or not await self.store.alive(self.owner):
-                    runtime = await self._take_over(self.session_id, meta.owner)
+                    runtime = await self._take_over(self.session_id, meta)
                     if runtime is not None:
                         reader.cancel()
                         return Handoff(runtime, sent)
@@ -118,13 +118,10 @@ class Follower:
     async def close(self) -> None:
         """This instance drains: the client resumes elsewhere (no going_away:
         the follower has no seq of its own to give it)."""
+        from .transport import close_or_abort
+
         if self._ws is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    self._ws.close(CLOSE_SERVICE_RESTART, "draining; resume the session"), 1
-                )
-            if self._ws.transport is not None:
-                self._ws.transport.abort()
+            await close_or_abort(self._ws, CLOSE_SERVICE_RESTART, "draining; resume the session")
 
     async def _fail(self, ws: ServerConnection, codec: Codec, got: int, sent: int) -> None:
         event = error_event(

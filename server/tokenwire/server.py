@@ -33,7 +33,7 @@ from .protocol import (
     ProtocolError,
     SessionResume,
 )
-from .redisstore import RedisStore
+from .redisstore import Meta, RedisStore
 from .transport import Connection, Handoff, Runtime
 
 log = get_logger("tokenwire.server")
@@ -317,14 +317,8 @@ class TokenwireServer:
         if runtime is not None and runtime.state not in ("ended", "handed_over"):
             if runtime.key_id != key_id:
                 raise _not_found(event)
-            problem = await runtime.check_resume(event.last_seq)
-            if problem is not None:
-                raise ProtocolError(
-                    ErrorCode.RESUME_NOT_POSSIBLE,
-                    problem,
-                    event_id=event.event_id,
-                    param="last_seq",
-                )
+            if problem := await runtime.check_resume(event.last_seq):
+                raise _not_possible(event, problem)
             return runtime
         if self.store is None:
             raise _not_found(event)
@@ -332,31 +326,27 @@ class TokenwireServer:
         if meta is None or meta.key_id != (key_id or None):
             raise _not_found(event)
         bounds = await self.store.bounds(sid)
-        if bounds is not None and (problem := resume_problem(event.last_seq, bounds[0], bounds[1])):
-            raise ProtocolError(
-                ErrorCode.RESUME_NOT_POSSIBLE, problem, event_id=event.event_id, param="last_seq"
-            )
+        if bounds is not None and (problem := resume_problem(event.last_seq, *bounds)):
+            raise _not_possible(event, problem)
         if meta.owner != self.store.instance_id and await self.store.alive(meta.owner):
             return Follower(self.store, sid, meta.owner, self.take_over, self.config.lease_s / 2)
-        taken = await self.take_over(sid, meta.owner, requester.usage)
+        taken = await self.take_over(sid, meta)
         if taken is None:
             raise _not_found(event)
         return taken
 
-    async def take_over(
-        self, sid: str, dead_owner: str, usage: KeyUsage | None = None
-    ) -> Connection | None:
-        """Continue a session whose owner is gone, from its snapshot and log."""
+    async def take_over(self, sid: str, meta: Meta) -> Connection | None:
+        """Continue a session whose owner (`meta.owner`) is gone, from its
+        snapshot and log."""
         assert self.store is not None
-        if not await self.store.claim(sid, dead_owner):
+        if not await self.store.claim(sid, meta.owner):
             return None
         loaded = await self.store.load(sid)
         if loaded is None:
             return None
-        meta = await self.store.meta(sid)
-        key_id = meta.key_id if meta and meta.key_id else "anonymous"
-        runtime = await self._new_session(usage or self.limiter.usage(key_id), None, loaded)
-        runtime.log.info("session_taken_over", previous_owner=dead_owner)
+        usage = self.limiter.usage(meta.key_id or "anonymous")
+        runtime = await self._new_session(usage, None, loaded)
+        runtime.log.info("session_taken_over", previous_owner=meta.owner)
         metrics.TAKEOVERS.inc()
         # Generations continue after the tokens the old owner logged; the
         # events they make are logged even before the client is attached.
@@ -376,8 +366,7 @@ class TokenwireServer:
             self._arm_expiry(runtime)  # the follower is alive: the grace period starts over
 
     async def _end_session(self, runtime: Connection) -> None:
-        if self.sessions.get(runtime.session.id) is runtime:
-            del self.sessions[runtime.session.id]
+        self._forget(runtime)
         if runtime.state == "handed_over":
             return  # it lives on elsewhere
         await runtime.end()
@@ -385,7 +374,7 @@ class TokenwireServer:
             await self.store.drop(runtime.session.id)
 
     def _forget(self, runtime: Connection) -> None:
-        """The session moved to another instance: it is no longer ours."""
+        """The session ends here, or moved to another instance."""
         if self.sessions.get(runtime.session.id) is runtime:
             del self.sessions[runtime.session.id]
         if runtime.expiry is not None:
@@ -512,6 +501,12 @@ class TokenwireServer:
         log.info("shutting_down")
         await self.drain()
         await self.close()
+
+
+def _not_possible(event: SessionResume, problem: str) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.RESUME_NOT_POSSIBLE, problem, event_id=event.event_id, param="last_seq"
+    )
 
 
 def _not_found(event: SessionResume) -> ProtocolError:

@@ -90,6 +90,16 @@ class Handoff:
 # the socket goes to the session it resumed.
 Outcome = Literal["ended", "lost"] | Handoff
 
+
+async def close_or_abort(ws: ServerConnection, code: int, reason: str) -> None:
+    """Close with a code the client can act on; drop the socket if the client
+    does not answer within a second (often one that stopped reading)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.close(code, reason), 1)
+    if ws.transport is not None:
+        ws.transport.abort()
+
+
 # Finds what serves a `session.resume` for a key, or raises ProtocolError.
 FindSession = Callable[[SessionResume, str | None, "Connection"], Awaitable[Runtime]]
 
@@ -223,13 +233,10 @@ class Connection:
                 outcome = "ended"
         finally:
             self._live = False
-            if self.store is None and self._writer is not None:
+            if self.store is None:
                 # Without Redis nothing is written while detached: events wait
                 # in the outbox (and pause generation at the hard cap).
-                self._writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._writer
-                self._writer = None
+                await self._stop_writer()
             self._detach()
         if self.closed_for is not None:
             outcome = "ended"  # we closed it (slow or idle): nothing to resume
@@ -276,15 +283,18 @@ class Connection:
             self.expiry.cancel()
         self.session.close()
         self._pump()
-        pending = list(self.tasks.values())
-        if pending:
-            # Let the engine aborts run before the session is gone.
-            await asyncio.wait(pending, timeout=5)
+        await self._wait_generations()
         await self._stop_writer()
         self.outbox.clear()
         self.ring.clear()
         self.detached.set()
         self.log.info("session_closed")
+
+    async def _wait_generations(self) -> None:
+        """Let the engine aborts just ordered run before going on."""
+        pending = list(self.tasks.values())
+        if pending:
+            await asyncio.wait(pending, timeout=5)
 
     async def _stop_writer(self) -> None:
         if self._writer is not None:
@@ -336,20 +346,16 @@ class Connection:
     async def logged_after(self, seq: int) -> list[tuple[int, str | bytes]]:
         """Logged frames after `seq`, encoded for the attached socket."""
         if self.store is not None:
-            entries = await self.store.read(self.session.id, seq)
-            return [(e.seq, self._encode_logged(e.event)) for e in entries]
-        return [
-            (
-                s,
-                f
-                if isinstance(f, bytes) == self.codec.binary
-                else self.codec.encode(decode_frame(f)),
-            )
-            for s, f in self.ring.after(seq)
-        ]
+            logged = [(e.seq, e.event) for e in await self.store.read(self.session.id, seq)]
+        else:
+            logged = self.ring.after(seq)
+        return [(s, self._for_socket(f)) for s, f in logged]
 
-    def _encode_logged(self, packed: bytes) -> str | bytes:
-        return packed if self.codec.binary else self.codec.encode(unpack(packed))
+    def _for_socket(self, frame: str | bytes) -> str | bytes:
+        """A logged frame (JSON text or msgpack bytes) in the socket's subprotocol."""
+        if isinstance(frame, bytes) == self.codec.binary:
+            return frame
+        return self.codec.encode(decode_frame(frame))
 
     def _receive(self, frame: str | bytes) -> SessionResume | None:
         """Take a client frame; returns a resume request made by the first one."""
@@ -392,15 +398,10 @@ class Connection:
             if self.state == "attached" and self.ws is not None and self.ws.transport:
                 self.ws.transport.abort()  # the client has moved on from that socket
             self.state = "remote"
+            self._first_frame = False  # the follower's socket resumed already
             self.push_resumed(data["last_seq"], max(self._logged_seq - data["last_seq"], 0))
         elif op == "frame" and self.state == "remote":
-            try:
-                obj = decode_frame(data)
-            except ProtocolError as err:
-                self.session.receive_protocol_error(err)
-            else:
-                self.session.receive_client_event(obj)
-            self._pump()
+            self._receive(data)
         elif op == "detach" and self.state == "remote":
             self.state = "detached"
 
@@ -426,9 +427,7 @@ class Connection:
         self._cancel_timers()
         self.session.suspend()
         self._pump()
-        pending = list(self.tasks.values())
-        if pending:
-            await asyncio.wait(pending, timeout=5)
+        await self._wait_generations()
         await self._stop_writer()
         async with self._log_lock:
             try:
@@ -529,10 +528,7 @@ class Connection:
 
     async def _close_slow(self) -> None:
         self.closed_for = "slow_client"
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ws.close(CLOSE_SLOW_CLIENT, "client is not reading"), 1)
-        if self.ws.transport is not None:
-            self.ws.transport.abort()
+        await self._close_socket(CLOSE_SLOW_CLIENT, "client is not reading")
 
     def _caught_up(self) -> None:
         """The writer emptied the queue and the socket accepted it all."""
@@ -658,19 +654,17 @@ class Connection:
                 if ws is None or seq <= self._sent_seq:
                     continue  # no socket, or the replay sent it already
                 self._sent_seq = seq
-                if frame is None or isinstance(frame, bytes) != self.codec.binary:
+                if isinstance(frame, bytes) != self.codec.binary:  # the subprotocol changed
                     frame = self.codec.encode(event)
                 await ws.send(frame)
 
-    async def _locked_log_batch(
-        self, merge: bool
-    ) -> list[tuple[int, dict[str, Any], str | bytes | None]]:
+    async def _locked_log_batch(self, merge: bool) -> list[tuple[int, dict[str, Any], str | bytes]]:
         async with self._log_lock:
             if self.state == "handed_over":
                 return []
             return await self._log_batch(merge)
 
-    def _ring_batch(self, merge: bool) -> list[tuple[int, dict[str, Any], str | bytes | None]]:
+    def _ring_batch(self, merge: bool) -> list[tuple[int, dict[str, Any], str | bytes]]:
         """Without Redis: pop one event and keep its frame in the ring."""
         event = self.outbox.pop(merge=merge)
         if event is None:
@@ -680,7 +674,7 @@ class Connection:
         self._logged_seq = event["seq"]
         return [(event["seq"], event, frame)]
 
-    async def _log_batch(self, merge: bool) -> list[tuple[int, dict[str, Any], str | bytes | None]]:
+    async def _log_batch(self, merge: bool) -> list[tuple[int, dict[str, Any], str | bytes]]:
         """With Redis: pop everything queued and log it, with a snapshot when
         the conversation's structure changed."""
         assert self.store is not None
@@ -720,13 +714,8 @@ class Connection:
         self.detached.set()
 
     async def _close_socket(self, code: int, reason: str) -> None:
-        """Close with a code the client can act on; drop it if it does not answer."""
-        if self.ws is None:
-            return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ws.close(code, reason), 1)
-        if self.ws.transport is not None:
-            self.ws.transport.abort()
+        if self.ws is not None:
+            await close_or_abort(self.ws, code, reason)
 
     # -- engine and timers ---------------------------------------------------
 
