@@ -79,13 +79,15 @@ class Follower:
                 if meta is None:  # the session ended (or expired) on its owner
                     await ws.close(1011, "the session ended")
                     return "ended"
-                if meta.owner != self.owner or not await self.store.alive(self.owner):
+                if not await self.store.alive(meta.owner):
                     runtime = await self._take_over(self.session_id, meta)
                     if runtime is not None:
                         reader.cancel()
                         return Handoff(runtime, sent)
-                    # Another instance won the takeover: follow that one.
-                    self.owner = (await self.store.meta(self.session_id) or meta).owner
+                    meta = await self.store.meta(self.session_id) or meta  # another won
+                if meta.owner != self.owner:
+                    # The session moved to a live instance: follow that one.
+                    self.owner = meta.owner
                     await self.store.forward(
                         self.owner, self.session_id, "attach", {"last_seq": sent}
                     )
