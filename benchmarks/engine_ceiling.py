@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from typing import Any
 
 from tokenwire.models import resolve_model
 
+from ._compare import code_note, code_state, level_summary, plot_sides
 from ._server import (
     RESULTS,
     SCRATCH,
@@ -59,7 +59,6 @@ from .vs_vllm import batch, prompt, tokenwire_one
 TARGET = 0.95  # tokenwire tokens/s as a fraction of the in-process engine
 SIDES = ("asyncllm", "tokenwire")
 LABELS = {"asyncllm": "AsyncLLM in process", "tokenwire": "tokenwire (WS)"}
-FIELDS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
 One = Callable[[int, asyncio.Event], Awaitable[dict[str, Any]]]
 
@@ -205,42 +204,6 @@ def run_tokenwire(args: argparse.Namespace) -> dict[str, Any]:
 # -- report ------------------------------------------------------------------------
 
 
-def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over rounds of each figure, with the spread of tokens/s."""
-    out: dict[str, Any] = {f: statistics.median(r[f] for r in runs) for f in FIELDS}
-    rates = [r["tokens_per_s"] for r in runs]
-    out["tokens_per_s_min"], out["tokens_per_s_max"] = min(rates), max(rates)
-    out["other_cores_max"] = max(r["other_cores"] for r in runs)
-    out["attempts"] = sum(len(r["attempts"]) for r in runs)
-    return out
-
-
-def code_state() -> dict[str, Any]:
-    """Which tokenwire was measured: others edit the server while benchmarks
-    run, and a snapshot can be measured instead with PYTHONPATH=SNAPSHOT/server."""
-    import tokenwire
-
-    src = Path(tokenwire.__file__).resolve().parent
-
-    def git(*a: str) -> str:
-        run = subprocess.run(["git", *a], capture_output=True, text=True, cwd=src)
-        return run.stdout.strip()
-
-    return {
-        "tokenwire_source": str(src),
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_server_files": git("status", "--porcelain", ".").splitlines(),
-    }
-
-
-def code_note(code: dict[str, Any]) -> str:
-    if not code["commit"]:
-        return f"tokenwire from {code['tokenwire_source']} (a snapshot outside the repository)"
-    dirty = code["uncommitted_server_files"]
-    extra = f" plus uncommitted changes in {len(dirty)} server files" if dirty else ""
-    return f"tokenwire at commit {code['commit']}{extra}"
-
-
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -250,26 +213,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     levels = report["concurrency"]
     xs = list(range(len(levels)))
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
-    width = 0.38
-    panels = (
-        ("tokens_per_s", "aggregate tokens/s (higher is better)"),
-        ("ttft_p50_ms", "TTFT p50, ms"),
-        ("itl_p50_ms", "ITL p50, ms"),
-    )
-    for ax, (field, title) in zip(axes, panels, strict=False):
-        for offset, side in ((-width / 2, "asyncllm"), (width / 2, "tokenwire")):
-            rows = [report[side][str(c)] for c in levels]
-            values = [r[field] for r in rows]
-            err = None
-            if field == "tokens_per_s":  # min..max over rounds
-                err = [
-                    [v - r["tokens_per_s_min"] for v, r in zip(values, rows, strict=True)],
-                    [r["tokens_per_s_max"] - v for v, r in zip(values, rows, strict=True)],
-                ]
-            ax.bar([x + offset for x in xs], values, width, yerr=err, capsize=3, label=LABELS[side])
-        ax.set_xticks(xs, [f"c={c}" for c in levels])
-        ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=8)
+    plot_sides(axes, report, SIDES, LABELS)
     ax = axes[3]
     ratios = [report["ratios"][str(c)]["tokens_per_s"] for c in levels]
     ax.bar(xs, ratios, 0.5, color="tab:green")

@@ -48,6 +48,7 @@ import aiohttp
 from tokenwire.client import connect
 from tokenwire.models import resolve_model
 
+from ._compare import code_state, level_summary, plot_sides
 from ._server import (
     RESULTS,
     SCRATCH,
@@ -60,7 +61,6 @@ from ._server import (
 
 SIDES = ("tokenwire", "vllm")
 LABELS = {"tokenwire": "tokenwire (WS)", "vllm": "vLLM OpenAI (SSE)"}
-FIELDS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
 One = Callable[[int, asyncio.Event], Awaitable[dict[str, Any]]]
 
@@ -281,16 +281,6 @@ def run_turn(side: str, model: str, args: argparse.Namespace, r: int) -> dict[st
 # -- report ------------------------------------------------------------------------
 
 
-def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over rounds of each figure, with the spread of tokens/s."""
-    out: dict[str, Any] = {f: statistics.median(r[f] for r in runs) for f in FIELDS}
-    rates = [r["tokens_per_s"] for r in runs]
-    out["tokens_per_s_min"], out["tokens_per_s_max"] = min(rates), max(rates)
-    out["other_cores_max"] = max(r["other_cores"] for r in runs)
-    out["attempts"] = sum(len(r["attempts"]) for r in runs)
-    return out
-
-
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -300,26 +290,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     levels = report["concurrency"]
     xs = list(range(len(levels)))
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
-    width = 0.38
-    panels = (
-        ("tokens_per_s", "aggregate tokens/s (higher is better)"),
-        ("ttft_p50_ms", "TTFT p50, ms (lower is better)"),
-        ("itl_p50_ms", "ITL p50, ms (lower is better)"),
-    )
-    for ax, (field, title) in zip(axes, panels, strict=False):
-        for offset, side in ((-width / 2, "tokenwire"), (width / 2, "vllm")):
-            rows = [report[side][str(c)] for c in levels]
-            values = [r[field] for r in rows]
-            err = None
-            if field == "tokens_per_s":  # min..max over rounds
-                err = [
-                    [v - r["tokens_per_s_min"] for v, r in zip(values, rows, strict=True)],
-                    [r["tokens_per_s_max"] - v for v, r in zip(values, rows, strict=True)],
-                ]
-            ax.bar([x + offset for x in xs], values, width, yerr=err, capsize=3, label=LABELS[side])
-        ax.set_xticks(xs, [f"c={c}" for c in levels])
-        ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=8)
+    plot_sides(axes, report, ("tokenwire", "vllm"), LABELS, " (lower is better)")
     ax = axes[3]
     ratios = [report["ratios"][str(c)] for c in levels]
     medians = [q["tokens_per_s"] for q in ratios]
@@ -441,8 +412,6 @@ def main() -> None:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     model = str(resolve_model(None))
-    from .engine_ceiling import code_state  # imports this module: not at the top
-
     # Before the rounds: nothing that can fail may come after minutes of measuring.
     meta = {"code": code_state(), "vllm_version": vllm_version()}
 
