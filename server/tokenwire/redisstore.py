@@ -174,10 +174,10 @@ class RedisStore:
     # -- sessions -------------------------------------------------------------
 
     async def register(self, sid: str, key_id: str | None) -> None:
-        await self.redis.hset(
-            self._meta(sid), mapping={"owner": self.instance_id, "key_id": key_id or ""}
-        )
-        await self.redis.pexpire(self._meta(sid), self.ttl_ms)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self._meta(sid), mapping={"owner": self.instance_id, "key_id": key_id or ""})
+        pipe.pexpire(self._meta(sid), self.ttl_ms)
+        await pipe.execute()
 
     async def meta(self, sid: str) -> Meta | None:
         got = await self.redis.hgetall(self._meta(sid))
@@ -226,8 +226,10 @@ class RedisStore:
 
     async def bounds(self, sid: str) -> tuple[int, int] | None:
         """The oldest and newest seq still logged."""
-        first = await self.redis.xrange(self._log(sid), count=1)
-        last = await self.redis.xrevrange(self._log(sid), count=1)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrange(self._log(sid), count=1)
+        pipe.xrevrange(self._log(sid), count=1)
+        first, last = await pipe.execute()
         if not first or not last:
             return None
         return _seq(first[0][0]), _seq(last[0][0])
@@ -249,8 +251,10 @@ class RedisStore:
         fields = {"s": sid, "o": op}
         if data is not None:
             fields["d"] = pack(data)
-        await self.redis.xadd(self._inbox(owner), fields, maxlen=10_000, approximate=True)
-        await self.redis.pexpire(self._inbox(owner), self.ttl_ms)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(self._inbox(owner), fields, maxlen=10_000, approximate=True)
+        pipe.pexpire(self._inbox(owner), self.ttl_ms)
+        await pipe.execute()
 
     async def drop(self, sid: str) -> None:
         """The session ended: its log goes with it."""
