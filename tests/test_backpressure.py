@@ -136,6 +136,82 @@ async def test_pause_then_resume_gives_identical_text(server: TokenwireServer) -
     ws.transport.abort()
 
 
+async def test_direct_and_queued_writes_keep_order(
+    server: TokenwireServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that keeps up gets events written straight from the engine's
+    task; once it falls behind they queue for the writer. A client that reads
+    in bursts switches between the two many times, and still gets every
+    token once, in order, with no seq gap."""
+    from tokenwire.transport import Connection
+
+    calls = {"direct": 0, "queued": 0}
+    write_now, write_queued = Connection._write_now, Connection._write_queued
+
+    def spy_now(self: Connection, *args: object) -> None:
+        calls["direct"] += 1
+        write_now(self, *args)
+
+    async def spy_queued(self: Connection) -> None:
+        calls["queued"] += 1
+        await write_queued(self)
+
+    monkeypatch.setattr(Connection, "_write_now", spy_now)
+    monkeypatch.setattr(Connection, "_write_queued", spy_queued)
+    ws = await raw_client(url_of(server))
+    n = 6000
+    await stream(ws, n)
+    text, seqs = "", []
+    while True:
+        event = json.loads(await ws.recv())
+        seqs.append(event["seq"])
+        if event["type"] == "response.output_text.delta":
+            text += event["delta"]
+            if event["seq"] % 1000 == 0:
+                await asyncio.sleep(0.2)  # fall behind now and then
+        if event["type"] == "response.done":
+            break
+    assert calls["direct"] > 0 and calls["queued"] > 0
+    assert text == expected(n)
+    assert seqs == list(range(1, len(seqs) + 1))
+    ws.transport.abort()
+
+
+class RecordingTransport:
+    """A socket that takes everything at once: its write buffer stays empty."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def writelines(self, data: list[bytes]) -> None:
+        self.written.extend(data)
+
+
+async def test_direct_write_never_overtakes_queued_events() -> None:
+    from types import SimpleNamespace
+
+    from websockets.protocol import State
+    from websockets.server import ServerProtocol
+
+    from tokenwire.transport import Connection
+
+    conn = Connection(ScriptedEngine(), ServerConfig(engine="scripted"))
+    ws = SimpleNamespace(protocol=ServerProtocol(), transport=RecordingTransport())
+    ws.protocol.state = State.OPEN
+    conn.ws, conn._live, conn.state = ws, True, "attached"  # type: ignore[assignment]
+    # Malformed: session.created and an error event, written at once.
+    conn._receive("{")
+    assert len(ws.transport.written) == 2 and conn._sent_seq == 2 and not len(conn.outbox)
+    conn.going_away("shutdown", 100)  # queued for the writer task
+    conn._receive("{")
+    assert len(ws.transport.written) == 2  # the second error waits behind it
+    assert [e["type"] for e in conn.outbox._queue] == ["session.going_away", "error"]
+    assert conn.outbox.pop()["seq"] == 3
+
+
 @pytest.mark.parametrize("server", [{"outbound_hard_cap": 4 << 20, "stall_s": 60.0}], indirect=True)
 async def test_merged_frames_reassemble_exactly(server: TokenwireServer) -> None:
     ws = await raw_client(url_of(server))

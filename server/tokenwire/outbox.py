@@ -49,9 +49,14 @@ class Outbox:
         self.pending_bytes -= estimate_size(event)
         if merge and event["type"] == DELTA and self._queue:
             event = self._absorb(event)
-        event["seq"] = self.next_seq
-        self.next_seq += 1
+        self.number(event)
         return event
+
+    def number(self, event: dict[str, Any]) -> int:
+        """Give `event` the next seq: for one that leaves without being queued."""
+        seq = event["seq"] = self.next_seq
+        self.next_seq += 1
+        return seq
 
     def compact(self) -> None:
         """Merge every mergeable delta now (same rules as pop(merge=True)), so a

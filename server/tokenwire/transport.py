@@ -7,7 +7,10 @@ outbox. Above the high-water mark deltas are merged; above the hard cap (or
 when the writer has been blocked for `stall_s`) the session's generations
 pause, freeing their engine slots, and the server stops reading from the
 client; once the outbox drains they resume. A client blocked for
-`slow_client_timeout_s` is closed with 4008.
+`slow_client_timeout_s` is closed with 4008. While the client keeps up (its
+socket buffer empty, nothing queued) and there is no log to write first,
+events skip the outbox and the writer task: they are framed and written by
+the task that produced them, one write per batch.
 
 A runtime outlives a dropped socket: detached, its generations go on (and
 pause at the hard cap, like for a client that reads nothing) until a new
@@ -34,6 +37,7 @@ from typing import Any, Literal, Protocol
 from redis.exceptions import RedisError
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
+from websockets.protocol import State
 
 from . import metrics
 from .config import ServerConfig
@@ -478,14 +482,55 @@ class Connection:
         if events:
             for event in events:
                 self._log_event(event)
-            self.outbox.extend(events)
-            self._wakeup.set()
+            ws = self._writable_now()
+            if ws is not None:
+                self._write_now(ws, events)
+            else:
+                self.outbox.extend(events)
+                self._wakeup.set()
             buffered = self.buffered_amount
             if buffered > self.config.outbound_high_water:
                 if self.state == "attached":
                     self._arm_clocks()
                 if buffered > self.config.outbound_hard_cap:
                     self._fall_behind("hard_cap")
+
+    def _writable_now(self) -> ServerConnection | None:
+        """The socket, when events may skip the queue and the writer task: no
+        log to write first (Redis), nothing queued ahead, and a client that
+        keeps up (the socket's buffer is empty)."""
+        ws = self.ws
+        if (
+            ws is None
+            or not self._live
+            or self.store is not None
+            or len(self.outbox)
+            or self.paused
+            or self._stall_timer is not None
+            or not self._drained.is_set()
+            or ws.protocol.state is not State.OPEN
+            or ws.transport is None
+            or ws.transport.get_write_buffer_size()
+        ):
+            return None
+        return ws
+
+    def _write_now(self, ws: ServerConnection, events: list[dict[str, Any]]) -> None:
+        """Frame and write `events` in one go, without a task switch per event.
+
+        What `ws.send` does for one frame, minus its wait for the buffer to
+        drain (the buffer is empty, and the caller checks buffered_amount)."""
+        protocol = ws.protocol
+        for event in events:
+            seq = self.outbox.number(event)
+            frame = self.codec.encode(event)
+            self.ring.append(seq, frame)
+            self._logged_seq = self._sent_seq = seq
+            if isinstance(frame, bytes):
+                protocol.send_binary(frame)
+            else:
+                protocol.send_text(frame.encode())
+        ws.transport.writelines(protocol.data_to_send())
 
     # -- backpressure --------------------------------------------------------
 
