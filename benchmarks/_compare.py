@@ -3,13 +3,89 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._server import cpu_snapshot, other_cpu_cores
+
 FIELDS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+# One request: (prompt number, start event) -> {"sent", "stamps", "tokens"}.
+One = Callable[[int, asyncio.Event], Awaitable[dict[str, Any]]]
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarise(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    ttfts = [(r["stamps"][0] - r["sent"]) * 1000 for r in results]
+    itls = [
+        (b - a) * 1000 for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)
+    ]
+    return {
+        "requests": len(results),
+        "ttft_p50_ms": statistics.median(ttfts),
+        "ttft_p99_ms": percentile(ttfts, 0.99),
+        "itl_p50_ms": statistics.median(itls),
+        "itl_p99_ms": percentile(itls, 0.99),
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+    }
+
+
+async def batch(one: One, n: int, first: int = 0) -> tuple[list[dict[str, Any]], float]:
+    """`n` requests (prompts first..first+n-1) released at one instant; their
+    results and the wall time until the last one finished."""
+    start = asyncio.Event()
+    tasks = [asyncio.create_task(one(first + i, start)) for i in range(n)]
+    await asyncio.sleep(1.0)  # every client connected and waiting
+    t0 = time.perf_counter()
+    start.set()
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
+async def measure_level(
+    one: One, c: int, key: int, batches: int, quiet: float, retries: int, label: str
+) -> dict[str, Any]:
+    """`batches` batches of `c` requests, pooled: tokens/s is all their tokens
+    over all their wall time, the latencies are percentiles over every request.
+
+    A batch during which other programs took more than `quiet` cores is run
+    again, up to `retries` times; the last attempt counts, all are kept.
+    Every batch, retries too, has prompts of its own (no prefix-cache help);
+    the same `key` gives the same prompts, so both sides of a round get them."""
+    counted: list[tuple[list[dict[str, Any]], float, float]] = []
+    attempts: list[dict[str, Any]] = []
+    for b in range(batches):
+        for attempt in range(retries + 1):
+            before, t0 = cpu_snapshot(), time.perf_counter()
+            first = ((key * 10 + b) * 10 + attempt) * 10_000 + c * 100
+            results, wall = await batch(one, c, first)
+            other = other_cpu_cores(before, cpu_snapshot(), time.perf_counter() - t0)
+            attempts.append({**summarise(results, wall), "other_cores": other})
+            print(
+                f"{label}c={c} batch {b + 1}: {attempts[-1]['tokens_per_s']:.1f} tokens/s, "
+                f"TTFT p50 {attempts[-1]['ttft_p50_ms']:.0f} ms, other programs {other:.2f} cores",
+                flush=True,
+            )
+            if other <= quiet:
+                break
+        counted.append((results, wall, other))
+    pooled = summarise([r for rs, _, _ in counted for r in rs], sum(w for _, w, _ in counted))
+    return {
+        **pooled,
+        "other_cores": max(o for _, _, o in counted),
+        "batch_tokens_per_s": [summarise(rs, w)["tokens_per_s"] for rs, w, _ in counted],
+        "attempts": attempts,
+        "reruns": len(attempts) - len(counted),
+    }
 
 
 def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,58 +39,36 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from tokenwire.models import resolve_model
 
-from ._compare import code_note, code_state, level_summary, plot_sides
+from ._compare import One, batch, code_note, code_state, level_summary, measure_level, plot_sides
 from ._server import (
     RESULTS,
     SCRATCH,
-    cpu_snapshot,
-    other_cpu_cores,
     tokenwire_server,
     wait_for_descendants,
 )
-from .vs_vllm import batch, prompt, tokenwire_one
+from .vs_vllm import prompt, tokenwire_one
 
 TARGET = 0.95  # tokenwire tokens/s as a fraction of the in-process engine
 SIDES = ("asyncllm", "tokenwire")
 LABELS = {"asyncllm": "AsyncLLM in process", "tokenwire": "tokenwire (WS)"}
 
-One = Callable[[int, asyncio.Event], Awaitable[dict[str, Any]]]
-
 
 async def rounds(
     one: One, levels: list[int], repeats: int, quiet: float, retries: int
 ) -> dict[str, list[dict[str, Any]]]:
-    """Warm up, then `repeats` rounds over every level; one summary per batch.
-    A batch during which other programs took more than `quiet` cores is run
-    again, up to `retries` times; the last attempt counts, and all are kept."""
-    await batch(lambda i, s: one(1_000_000 + i, s), max(levels))
+    """Warm up, then `repeats` rounds of one batch per level."""
+    await batch(one, max(levels), 1_000_000)
     runs: dict[str, list[dict[str, Any]]] = {str(c): [] for c in levels}
     for r in range(repeats):
         for c in levels:
-            attempts: list[dict[str, Any]] = []
-            while len(attempts) <= retries:
-                before, t0 = cpu_snapshot(), time.perf_counter()
-                # Every batch, retries too, has prompts of its own (no prefix-cache help).
-                base = (r * 10 + len(attempts)) * 10_000 + c * 100
-                summary = await batch(lambda i, s, base=base: one(base + i, s), c)
-                summary["other_cores"] = other_cpu_cores(
-                    before, cpu_snapshot(), time.perf_counter() - t0
-                )
-                attempts.append(summary)
-                print(
-                    f"  c={c} round {r + 1}: {summary['tokens_per_s']:.1f} tokens/s, "
-                    f"other programs {summary['other_cores']:.2f} cores",
-                    flush=True,
-                )
-                if summary["other_cores"] <= quiet:
-                    break
-            runs[str(c)].append({**attempts[-1], "attempts": attempts})
+            runs[str(c)].append(
+                await measure_level(one, c, r, 1, quiet, retries, label=f"  round {r + 1} ")
+            )
     return runs
 
 
@@ -230,7 +208,7 @@ def markdown(report: dict[str, Any]) -> str:
     levels, tokens = report["concurrency"], report["tokens"]
     batches = [r for side in SIDES for runs in report[f"{side}_rounds"].values() for r in runs]
     counted = len(batches)
-    retried = sum(len(r["attempts"]) > 1 for r in batches)
+    retried = sum(r["reruns"] for r in batches)
     disturbed = sum(r["other_cores"] > report["quiet_cores"] for r in batches)
     lines = [
         f"{tokens} tokens per request, ignore_eos, temperature 0; SmolLM2-135M float32 on "

@@ -1,7 +1,7 @@
 """tokenwire (WebSocket) against vLLM's own OpenAI server (SSE), side by side.
 
     .venv/bin/python -m benchmarks.vs_vllm [--concurrency 1 8 32] [--tokens 64]
-        [--repeats 3] [--quiet-cores 0.15] [--retries 1]
+        [--repeats 3] [--batches 3] [--quiet-cores 0.15] [--retries 1]
 
 Same machine, same SmolLM2 checkpoint, float32, max_model_len 2048,
 enforce_eager, 1 GiB KV cache, prefix caching on both, the same prompts,
@@ -11,19 +11,23 @@ temperature 0 and ignore_eos for a fixed length.
 other (never together: 2 cores), and which goes first alternates (round 1
 tokenwire then vLLM, round 2 vLLM then tokenwire, ...), so a slow drift of
 the machine hits both sides alike. A turn starts the server, warms it up with
-one batch at the highest concurrency, measures every level once and stops
-the server; every process of a turn is gone before the next turn starts.
-Every request of a round has its own prompt, the same for both servers.
+one batch at the highest concurrency, runs `--batches` batches per level and
+stops the server; every process of a turn is gone before the next turn
+starts. Every request of a round has its own prompt, the same for both
+servers.
 
 Clients hold their connection open before the clock starts (one WebSocket
 per request; for vLLM, the HTTP keep-alive connection a /health request
 opened). Measured per batch: TTFT is request sent -> first non-empty text
 received, ITL the gaps between text chunks, tokens/s the batch's output
-tokens over its wall time. A level's figure is the median over rounds, and
+tokens over its wall time. A turn's figure for a level pools its batches
+(all their tokens over all their wall time; latency percentiles over every
+request): one batch of 8 varies by a few percent with the moment its
+prefills land in the engine. A level's figure is the median over rounds, and
 the ratio tokenwire / vLLM is taken between those medians. Beside each batch
 we record the CPU other programs took on the machine meanwhile ("other
 cores"); a batch above --quiet-cores is run again (up to --retries times).
-About 6-7 minutes with the defaults on 2 quiet cores (a server start takes
+About 12 minutes with the defaults on 2 quiet cores (a server start takes
 20-25 s). Writes results/vs_vllm.{json,md,png}.
 """
 
@@ -38,7 +42,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,13 +52,11 @@ import aiohttp
 from tokenwire.client import connect
 from tokenwire.models import resolve_model
 
-from ._compare import code_state, level_summary, plot_sides
+from ._compare import One, batch, code_state, level_summary, measure_level, plot_sides
 from ._server import (
     RESULTS,
     SCRATCH,
-    cpu_snapshot,
     free_port,
-    other_cpu_cores,
     tokenwire_process,
     wait_for_descendants,
 )
@@ -62,16 +64,9 @@ from ._server import (
 SIDES = ("tokenwire", "vllm")
 LABELS = {"tokenwire": "tokenwire (WS)", "vllm": "vLLM OpenAI (SSE)"}
 
-One = Callable[[int, asyncio.Event], Awaitable[dict[str, Any]]]
-
 
 def prompt(i: int) -> str:
     return f"Write a short story about a lighthouse keeper, version {i}."
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 async def tokenwire_one(url: str, i: int, tokens: int, start: asyncio.Event) -> dict[str, Any]:
@@ -120,61 +115,15 @@ async def vllm_one(
     return {"sent": sent, "stamps": stamps, "tokens": count}
 
 
-def summarise(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    ttfts = [(r["stamps"][0] - r["sent"]) * 1000 for r in results]
-    itls = [
-        (b - a) * 1000 for r in results for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)
-    ]
+async def turn(one: One, args: argparse.Namespace, r: int) -> dict[str, dict[str, Any]]:
+    """Warm up, then `--batches` batches per level."""
+    await batch(one, max(args.concurrency), 1_000_000)
     return {
-        "requests": len(results),
-        "ttft_p50_ms": statistics.median(ttfts),
-        "ttft_p99_ms": percentile(ttfts, 0.99),
-        "itl_p50_ms": statistics.median(itls),
-        "itl_p99_ms": percentile(itls, 0.99),
-        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        str(c): await measure_level(
+            one, c, r, args.batches, args.quiet_cores, args.retries, label="    "
+        )
+        for c in args.concurrency
     }
-
-
-async def batch(one: Any, n: int) -> dict[str, Any]:
-    start = asyncio.Event()
-    tasks = [asyncio.create_task(one(i, start)) for i in range(n)]
-    await asyncio.sleep(1.0)  # every client connected and waiting
-    t0 = time.perf_counter()
-    start.set()
-    results = await asyncio.gather(*tasks)
-    return summarise(results, time.perf_counter() - t0)
-
-
-async def turn(
-    one: One, levels: list[int], r: int, quiet: float, retries: int
-) -> dict[str, dict[str, Any]]:
-    """Warm up, then one batch per level; a batch during which other programs
-    took more than `quiet` cores is run again, up to `retries` times (the last
-    attempt counts, all are kept)."""
-    await batch(lambda i, s: one(1_000_000 + i, s), max(levels))
-    out: dict[str, dict[str, Any]] = {}
-    for c in levels:
-        attempts: list[dict[str, Any]] = []
-        while len(attempts) <= retries:
-            before, t0 = cpu_snapshot(), time.perf_counter()
-            # Prompts of their own for every batch, retries too (no prefix-cache
-            # help), and the same ones for both servers in a round.
-            base = (r * 10 + len(attempts)) * 10_000 + c * 100
-            summary = await batch(lambda i, s, base=base: one(base + i, s), c)
-            summary["other_cores"] = other_cpu_cores(
-                before, cpu_snapshot(), time.perf_counter() - t0
-            )
-            attempts.append(summary)
-            print(
-                f"    c={c}: {summary['tokens_per_s']:.1f} tokens/s, TTFT p50 "
-                f"{summary['ttft_p50_ms']:.0f} ms, other programs "
-                f"{summary['other_cores']:.2f} cores",
-                flush=True,
-            )
-            if summary["other_cores"] <= quiet:
-                break
-        out[str(c)] = {**attempts[-1], "attempts": attempts}
-    return out
 
 
 # -- the servers -------------------------------------------------------------------
@@ -236,7 +185,6 @@ def vllm_server(model: str, timeout: float = 600) -> Iterator[str]:
 
 def run_turn(side: str, model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
     """Start `side`'s server, warm it up, measure every level, stop it."""
-    levels, tokens = args.concurrency, args.tokens
     t0 = time.perf_counter()
     if side == "tokenwire":
         with tokenwire_process(
@@ -245,13 +193,7 @@ def run_turn(side: str, model: str, args: argparse.Namespace, r: int) -> dict[st
             startup = time.perf_counter() - t0
             print(f"  {LABELS[side]} (started in {startup:.0f} s):", flush=True)
             levels_out = asyncio.run(
-                turn(
-                    lambda i, s: tokenwire_one(url, i, tokens, s),
-                    levels,
-                    r,
-                    args.quiet_cores,
-                    args.retries,
-                )
+                turn(lambda i, s: tokenwire_one(url, i, args.tokens, s), args, r)
             )
     else:
         with vllm_server(model) as base:
@@ -263,13 +205,7 @@ def run_turn(side: str, model: str, args: argparse.Namespace, r: int) -> dict[st
                     connector=aiohttp.TCPConnector(limit=0),
                     timeout=aiohttp.ClientTimeout(total=600),
                 ) as http:
-                    return await turn(
-                        lambda i, s: vllm_one(base, http, i, tokens, s),
-                        levels,
-                        r,
-                        args.quiet_cores,
-                        args.retries,
-                    )
+                    return await turn(lambda i, s: vllm_one(base, http, i, args.tokens, s), args, r)
 
             levels_out = asyncio.run(measure())
     leftovers = wait_for_descendants()  # fully down before the other server starts
@@ -313,12 +249,14 @@ def markdown(report: dict[str, Any]) -> str:
     """Caption line and table only: the file is copied verbatim into the README."""
     levels, repeats = report["concurrency"], report["repeats"]
     rounds = "round" if repeats == 1 else f"{repeats} rounds"
+    batches = report.get("batches", 1)
+    pooled = f", each pooling {batches} batches" if batches > 1 else ""
     lines = [
         f"{report['tokens']} tokens per request, ignore_eos, temperature 0; SmolLM2-135M "
-        f"float32 on {os.cpu_count()} CPU cores. Median of {rounds} per level, tokens/s "
-        "range in brackets; each round starts, warms up, measures and stops each server in "
-        "turn (never together), alternating which goes first. Other cores: the most CPU "
-        "other programs on the machine took during a counted batch.",
+        f"float32 on {os.cpu_count()} CPU cores. Median of {rounds} per level{pooled}, "
+        "tokens/s range over rounds in brackets; each round starts, warms up, measures and "
+        "stops each server in turn (never together), alternating which goes first. Other "
+        "cores: the most CPU other programs on the machine took during a counted batch.",
         "",
         "| concurrency | server | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
         "| ITL p99 (ms) | other cores |",
@@ -361,6 +299,7 @@ def build_report(
         "tokens": args.tokens,
         "concurrency": args.concurrency,
         "repeats": args.repeats,
+        "batches": args.batches,
         "quiet_cores": args.quiet_cores,
         "retries": args.retries,
         **meta,
@@ -407,10 +346,16 @@ def main() -> None:
         default=0.15,
         help="run a batch again if other programs took more cores than this meanwhile",
     )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=3,
+        help="batches per level in each turn, pooled (more samples per server start)",
+    )
     parser.add_argument("--retries", type=int, default=1, help="at most, per batch")
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    if args.repeats < 1 or args.batches < 1:
+        parser.error("--repeats and --batches must be at least 1")
     model = str(resolve_model(None))
     # Before the rounds: nothing that can fail may come after minutes of measuring.
     meta = {"code": code_state(), "vllm_version": vllm_version()}
@@ -435,11 +380,13 @@ def main() -> None:
         q = report["ratios"][c]
         per_round = ", ".join(f"{x:.3f}" for x in q["tokens_per_s_rounds"])
         print(f"c={c}: tokenwire / vLLM tokens/s = {q['tokens_per_s']:.3f} (rounds: {per_round})")
-    batches = [b for rd in rounds for side in SIDES for b in rd[side]["levels"].values()]
-    disturbed = sum(b["other_cores"] > args.quiet_cores for b in batches)
-    retried = sum(len(b["attempts"]) > 1 for b in batches)
+    levels = [lv for rd in rounds for side in SIDES for lv in rd[side]["levels"].values()]
+    counted = sum(len(lv["batch_tokens_per_s"]) for lv in levels)
+    disturbed = sum(lv["other_cores"] > args.quiet_cores for lv in levels)
+    retried = sum(lv["reruns"] for lv in levels)
     print(
-        f"{retried} of {len(batches)} batches run again, {disturbed} counted batches above "
+        f"{retried} batches run again, {counted} counted; {disturbed} turns' levels had a "
+        "counted batch above "
         f"{args.quiet_cores} other cores; startup s: "
         + ", ".join(f"{s} {statistics.median(v):.0f}" for s, v in report["startup_s"].items())
         + f"; total {report['wall_s']:.0f} s"
