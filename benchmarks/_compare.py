@@ -51,41 +51,52 @@ async def batch(one: One, n: int, first: int = 0) -> tuple[list[dict[str, Any]],
     return results, time.perf_counter() - t0
 
 
+async def measure_batch(
+    one: One, c: int, key: int, b: int, quiet: float, retries: int, label: str
+) -> dict[str, Any]:
+    """Batch `b` of `c` requests. One during which other programs took more
+    than `quiet` cores is run again, up to `retries` times; the last attempt
+    counts, all are kept. Every batch, retries too, has prompts of its own (no
+    prefix-cache help); the same `key` and `b` give the same prompts, so both
+    sides of a round get them."""
+    attempts: list[dict[str, Any]] = []
+    for attempt in range(retries + 1):
+        before, t0 = cpu_snapshot(), time.perf_counter()
+        first = ((key * 10 + b) * 10 + attempt) * 10_000 + c * 100
+        results, wall = await batch(one, c, first)
+        other = other_cpu_cores(before, cpu_snapshot(), time.perf_counter() - t0)
+        attempts.append({**summarise(results, wall), "other_cores": other})
+        print(
+            f"{label}c={c} batch {b + 1}: {attempts[-1]['tokens_per_s']:.1f} tokens/s, "
+            f"TTFT p50 {attempts[-1]['ttft_p50_ms']:.0f} ms, other programs {other:.2f} cores",
+            flush=True,
+        )
+        if other <= quiet:
+            break
+    return {"results": results, "wall": wall, "other_cores": other, "attempts": attempts}
+
+
+def pooled(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counted batches as one: tokens/s is all their tokens over all their
+    wall time, the latencies are percentiles over every request."""
+    results = [r for b in batches for r in b["results"]]
+    attempts = [a for b in batches for a in b["attempts"]]
+    return {
+        **summarise(results, sum(b["wall"] for b in batches)),
+        "other_cores": max(b["other_cores"] for b in batches),
+        "batch_tokens_per_s": [summarise(b["results"], b["wall"])["tokens_per_s"] for b in batches],
+        "attempts": attempts,
+        "reruns": len(attempts) - len(batches),
+    }
+
+
 async def measure_level(
     one: One, c: int, key: int, batches: int, quiet: float, retries: int, label: str
 ) -> dict[str, Any]:
-    """`batches` batches of `c` requests, pooled: tokens/s is all their tokens
-    over all their wall time, the latencies are percentiles over every request.
-
-    A batch during which other programs took more than `quiet` cores is run
-    again, up to `retries` times; the last attempt counts, all are kept.
-    Every batch, retries too, has prompts of its own (no prefix-cache help);
-    the same `key` gives the same prompts, so both sides of a round get them."""
-    counted: list[tuple[list[dict[str, Any]], float, float]] = []
-    attempts: list[dict[str, Any]] = []
-    for b in range(batches):
-        for attempt in range(retries + 1):
-            before, t0 = cpu_snapshot(), time.perf_counter()
-            first = ((key * 10 + b) * 10 + attempt) * 10_000 + c * 100
-            results, wall = await batch(one, c, first)
-            other = other_cpu_cores(before, cpu_snapshot(), time.perf_counter() - t0)
-            attempts.append({**summarise(results, wall), "other_cores": other})
-            print(
-                f"{label}c={c} batch {b + 1}: {attempts[-1]['tokens_per_s']:.1f} tokens/s, "
-                f"TTFT p50 {attempts[-1]['ttft_p50_ms']:.0f} ms, other programs {other:.2f} cores",
-                flush=True,
-            )
-            if other <= quiet:
-                break
-        counted.append((results, wall, other))
-    pooled = summarise([r for rs, _, _ in counted for r in rs], sum(w for _, w, _ in counted))
-    return {
-        **pooled,
-        "other_cores": max(o for _, _, o in counted),
-        "batch_tokens_per_s": [summarise(rs, w)["tokens_per_s"] for rs, w, _ in counted],
-        "attempts": attempts,
-        "reruns": len(attempts) - len(counted),
-    }
+    """`batches` batches of `c` requests (see measure_batch), pooled."""
+    return pooled(
+        [await measure_batch(one, c, key, b, quiet, retries, label) for b in range(batches)]
+    )
 
 
 def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

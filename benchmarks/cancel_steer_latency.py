@@ -53,8 +53,8 @@ import aiohttp
 
 from tokenwire.client import Client, Response, connect
 
+from ._compare import percentile
 from ._server import RESULTS, cpu_snapshot, http_base, other_cpu_cores, tokenwire_server
-from .vs_vllm import percentile
 
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm."
 STEER = "Now make it about a dragon instead."

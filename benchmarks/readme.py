@@ -8,6 +8,7 @@ Between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` the README gets
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -18,6 +19,9 @@ BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(.*?)(<!-- /bench:(?P=na
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     text = README.read_text()
 
     def fill(match: re.Match[str]) -> str:

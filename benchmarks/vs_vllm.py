@@ -1,33 +1,35 @@
 """tokenwire (WebSocket) against vLLM's own OpenAI server (SSE), side by side.
 
     .venv/bin/python -m benchmarks.vs_vllm [--concurrency 1 8 32] [--tokens 64]
-        [--repeats 3] [--batches 3] [--quiet-cores 0.15] [--retries 1]
+        [--repeats 5] [--batches 2] [--quiet-cores 0.15] [--retries 1]
 
 Same machine, same SmolLM2 checkpoint, float32, max_model_len 2048,
 enforce_eager, 1 GiB KV cache, prefix caching on both, the same prompts,
 temperature 0 and ignore_eos for a fixed length.
 
-`--repeats` rounds; in each, both servers take their turn, one after the
-other (never together: 2 cores), and which goes first alternates (round 1
-tokenwire then vLLM, round 2 vLLM then tokenwire, ...), so a slow drift of
-the machine hits both sides alike. A turn starts the server, warms it up with
-one batch at the highest concurrency, runs `--batches` batches per level and
-stops the server; every process of a turn is gone before the next turn
-starts. Every request of a round has its own prompt, the same for both
-servers.
+`--repeats` rounds. A round starts both servers, one after the other (an
+idle server takes no CPU: measured 0.006 cores), warms each up with one
+batch at the highest concurrency, then runs `--batches` batches per level on
+each, in the order A B B A ... (which side is A alternates between rounds and
+batches), so every tokenwire batch has a vLLM batch seconds before or after
+it, and stops both; every process of a round is gone before the next round
+starts. Only one server works at a time (2 cores). Fresh servers every round
+average out what a start decides (measured: batches within one server's run
+agree within 2%, different starts by up to 6%). Every request has its own
+prompt, the same for both servers.
 
 Clients hold their connection open before the clock starts (one WebSocket
 per request; for vLLM, the HTTP keep-alive connection a /health request
 opened). Measured per batch: TTFT is request sent -> first non-empty text
 received, ITL the gaps between text chunks, tokens/s the batch's output
-tokens over its wall time. A turn's figure for a level pools its batches
-(all their tokens over all their wall time; latency percentiles over every
-request): one batch of 8 varies by a few percent with the moment its
-prefills land in the engine. A level's figure is the median over rounds, and
-the ratio tokenwire / vLLM is taken between those medians. Beside each batch
+tokens over its wall time. A round's figure for a level and server pools its
+batches (all their tokens over all their wall time; latency percentiles over
+every request). A level's figure is the median over rounds, and the ratio
+tokenwire / vLLM is taken between those medians; the paired ratio of each
+round is listed too. Beside each batch
 we record the CPU other programs took on the machine meanwhile ("other
 cores"); a batch above --quiet-cores is run again (up to --retries times).
-About 12 minutes with the defaults on 2 quiet cores (a server start takes
+About 14 minutes with the defaults on 2 quiet cores (a server start takes
 20-25 s). Writes results/vs_vllm.{json,md,png}.
 """
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -52,7 +55,15 @@ import aiohttp
 from tokenwire.client import connect
 from tokenwire.models import resolve_model
 
-from ._compare import One, batch, code_state, level_summary, measure_level, plot_sides
+from ._compare import (
+    One,
+    batch,
+    code_state,
+    level_summary,
+    measure_batch,
+    plot_sides,
+    pooled,
+)
 from ._server import (
     RESULTS,
     SCRATCH,
@@ -115,15 +126,28 @@ async def vllm_one(
     return {"sent": sent, "stamps": stamps, "tokens": count}
 
 
-async def turn(one: One, args: argparse.Namespace, r: int) -> dict[str, dict[str, Any]]:
-    """Warm up, then `--batches` batches per level."""
-    await batch(one, max(args.concurrency), 1_000_000)
-    return {
-        str(c): await measure_level(
-            one, c, r, args.batches, args.quiet_cores, args.retries, label="    "
-        )
-        for c in args.concurrency
-    }
+async def measure_round(
+    ones: dict[str, One], args: argparse.Namespace, r: int
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Warm both up, then per level `--batches` batches on each server, in
+    the order A B B A ... (A alternating between rounds), so each tokenwire
+    batch has a vLLM batch seconds before or after it."""
+    for side in SIDES:
+        await batch(ones[side], max(args.concurrency), 1_000_000)
+    out: dict[str, dict[str, dict[str, Any]]] = {side: {} for side in SIDES}
+    for c in args.concurrency:
+        done: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+        for b in range(args.batches):
+            order = SIDES if (r + b) % 2 == 0 else SIDES[::-1]
+            for side in order:
+                done[side].append(
+                    await measure_batch(
+                        ones[side], c, r, b, args.quiet_cores, args.retries, f"  {side:9s} "
+                    )
+                )
+        for side in SIDES:
+            out[side][str(c)] = pooled(done[side])
+    return out
 
 
 # -- the servers -------------------------------------------------------------------
@@ -183,35 +207,42 @@ def vllm_server(model: str, timeout: float = 600) -> Iterator[str]:
         log.close()
 
 
-def run_turn(side: str, model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
-    """Start `side`'s server, warm it up, measure every level, stop it."""
-    t0 = time.perf_counter()
-    if side == "tokenwire":
-        with tokenwire_process(
-            "--engine", "vllm", "--log-level", "warning", log_name="vs-vllm-tokenwire.log"
-        ) as (url, _):
-            startup = time.perf_counter() - t0
-            print(f"  {LABELS[side]} (started in {startup:.0f} s):", flush=True)
-            levels_out = asyncio.run(
-                turn(lambda i, s: tokenwire_one(url, i, args.tokens, s), args, r)
+def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
+    """Start both servers (one after the other), measure, stop both."""
+    startup: dict[str, float] = {}
+    with contextlib.ExitStack() as stack:
+        t0 = time.perf_counter()
+        url, _ = stack.enter_context(
+            tokenwire_process(
+                "--engine", "vllm", "--log-level", "warning", log_name="vs-vllm-tokenwire.log"
             )
-    else:
-        with vllm_server(model) as base:
-            startup = time.perf_counter() - t0
-            print(f"  {LABELS[side]} (started in {startup:.0f} s):", flush=True)
+        )
+        startup["tokenwire"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        base = stack.enter_context(vllm_server(model))
+        startup["vllm"] = time.perf_counter() - t0
+        print(
+            f"  started: tokenwire in {startup['tokenwire']:.0f} s, "
+            f"vLLM in {startup['vllm']:.0f} s",
+            flush=True,
+        )
 
-            async def measure() -> dict[str, dict[str, Any]]:
-                async with aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0),
-                    timeout=aiohttp.ClientTimeout(total=600),
-                ) as http:
-                    return await turn(lambda i, s: vllm_one(base, http, i, args.tokens, s), args, r)
+        async def measure() -> dict[str, dict[str, dict[str, Any]]]:
+            async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=600),
+            ) as http:
+                ones: dict[str, One] = {
+                    "tokenwire": lambda i, s: tokenwire_one(url, i, args.tokens, s),
+                    "vllm": lambda i, s: vllm_one(base, http, i, args.tokens, s),
+                }
+                return await measure_round(ones, args, r)
 
-            levels_out = asyncio.run(measure())
-    leftovers = wait_for_descendants()  # fully down before the other server starts
+        levels = asyncio.run(measure())
+    leftovers = wait_for_descendants()  # fully down before the next round starts
     if leftovers:
         print(f"  killed leftover processes {leftovers}", flush=True)
-    return {"startup_s": startup, "levels": levels_out}
+    return {side: {"startup_s": startup[side], "levels": levels[side]} for side in SIDES}
 
 
 # -- report ------------------------------------------------------------------------
@@ -248,14 +279,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def markdown(report: dict[str, Any]) -> str:
     """Caption line and table only: the file is copied verbatim into the README."""
     levels, repeats = report["concurrency"], report["repeats"]
-    rounds = "round" if repeats == 1 else f"{repeats} rounds"
+    rounds = "1 round" if repeats == 1 else f"{repeats} rounds"
     batches = report.get("batches", 1)
     pooled = f", each pooling {batches} batches" if batches > 1 else ""
     lines = [
         f"{report['tokens']} tokens per request, ignore_eos, temperature 0; SmolLM2-135M "
         f"float32 on {os.cpu_count()} CPU cores. Median of {rounds} per level{pooled}, "
-        "tokens/s range over rounds in brackets; each round starts, warms up, measures and "
-        "stops each server in turn (never together), alternating which goes first. Other "
+        "tokens/s range over rounds in brackets. Each round starts both servers, then runs "
+        "the batches on one server at a time, alternating A B B A, and stops both. Other "
         "cores: the most CPU other programs on the machine took during a counted batch.",
         "",
         "| concurrency | server | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
@@ -338,7 +369,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument(
-        "--repeats", type=int, default=3, help="rounds; each starts and stops both servers"
+        "--repeats", type=int, default=5, help="rounds; each starts and stops both servers"
     )
     parser.add_argument(
         "--quiet-cores",
@@ -349,8 +380,8 @@ def main() -> None:
     parser.add_argument(
         "--batches",
         type=int,
-        default=3,
-        help="batches per level in each turn, pooled (more samples per server start)",
+        default=2,
+        help="batches per level and server in each round, pooled",
     )
     parser.add_argument("--retries", type=int, default=1, help="at most, per batch")
     args = parser.parse_args()
@@ -363,11 +394,8 @@ def main() -> None:
     t_start = time.perf_counter()
     rounds: list[dict[str, Any]] = []
     for r in range(args.repeats):
-        order = SIDES if r % 2 == 0 else SIDES[::-1]
-        print(f"round {r + 1}/{args.repeats} ({' then '.join(order)}):", flush=True)
-        rounds.append({"order": list(order)})
-        for side in order:
-            rounds[-1][side] = run_turn(side, model, args, r)
+        print(f"round {r + 1}/{args.repeats}:", flush=True)
+        rounds.append(run_round(model, args, r))
 
     report = build_report(args, rounds, meta, time.perf_counter() - t_start)
     RESULTS.mkdir(exist_ok=True)

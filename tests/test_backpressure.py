@@ -75,8 +75,10 @@ async def stream(ws: ClientConnection, tokens: int) -> None:
 
 
 async def read_response(
-    ws: ClientConnection, per_frame_sleep: float = 0.0
+    ws: ClientConnection, per_frame_sleep: float = 0.0, pause_every: int = 0
 ) -> tuple[str, list[int], int, dict]:
+    """Read until response.done; slowly, or pausing 0.2 s at every
+    `pause_every`-th seq, if told."""
     text, seqs, frames = "", [], 0
     while True:
         event = json.loads(await ws.recv())
@@ -86,6 +88,8 @@ async def read_response(
             text += event["delta"]
             if per_frame_sleep:
                 await asyncio.sleep(per_frame_sleep)
+            if pause_every and event["seq"] % pause_every == 0:
+                await asyncio.sleep(0.2)
         if event["type"] == "response.done":
             return text, seqs, frames, event["response"]
 
@@ -161,16 +165,7 @@ async def test_direct_and_queued_writes_keep_order(
     ws = await raw_client(url_of(server))
     n = 6000
     await stream(ws, n)
-    text, seqs = "", []
-    while True:
-        event = json.loads(await ws.recv())
-        seqs.append(event["seq"])
-        if event["type"] == "response.output_text.delta":
-            text += event["delta"]
-            if event["seq"] % 1000 == 0:
-                await asyncio.sleep(0.2)  # fall behind now and then
-        if event["type"] == "response.done":
-            break
+    text, seqs, _, _ = await read_response(ws, pause_every=1000)  # fall behind now and then
     assert calls["direct"] > 0 and calls["queued"] > 0
     assert text == expected(n)
     assert seqs == list(range(1, len(seqs) + 1))
