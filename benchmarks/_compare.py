@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._server import cpu_snapshot, other_cpu_cores
+from ._server import cpu_snapshot, other_cpu_cores, threads_cpu_seconds
 
 FIELDS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
@@ -52,20 +52,31 @@ async def batch(one: One, n: int, first: int = 0) -> tuple[list[dict[str, Any]],
 
 
 async def measure_batch(
-    one: One, c: int, key: int, b: int, quiet: float, retries: int, label: str
+    one: One,
+    c: int,
+    key: int,
+    b: int,
+    quiet: float,
+    retries: int,
+    label: str,
+    frontend_pid: int | None = None,
 ) -> dict[str, Any]:
     """Batch `b` of `c` requests. One during which other programs took more
     than `quiet` cores is run again, up to `retries` times; the last attempt
     counts, all are kept. Every batch, retries too, has prompts of its own (no
     prefix-cache help); the same `key` and `b` give the same prompts, so both
-    sides of a round get them."""
+    sides of a round get them. With `frontend_pid`, the CPU that process
+    (not its children: the engine) took during the batch is recorded."""
     attempts: list[dict[str, Any]] = []
     for attempt in range(retries + 1):
         before, t0 = cpu_snapshot(), time.perf_counter()
+        frontend = threads_cpu_seconds(frontend_pid) if frontend_pid else 0.0
         first = ((key * 10 + b) * 10 + attempt) * 10_000 + c * 100
         results, wall = await batch(one, c, first)
         other = other_cpu_cores(before, cpu_snapshot(), time.perf_counter() - t0)
         attempts.append({**summarise(results, wall), "other_cores": other})
+        if frontend_pid:
+            attempts[-1]["frontend_cpu_s"] = threads_cpu_seconds(frontend_pid) - frontend
         print(
             f"{label}c={c} batch {b + 1}: {attempts[-1]['tokens_per_s']:.1f} tokens/s, "
             f"TTFT p50 {attempts[-1]['ttft_p50_ms']:.0f} ms, other programs {other:.2f} cores",
@@ -73,7 +84,7 @@ async def measure_batch(
         )
         if other <= quiet:
             break
-    return {"results": results, "wall": wall, "other_cores": other, "attempts": attempts}
+    return {"results": results, "wall": wall, "attempts": attempts, **attempts[-1]}
 
 
 def pooled(batches: list[dict[str, Any]]) -> dict[str, Any]:
@@ -81,8 +92,14 @@ def pooled(batches: list[dict[str, Any]]) -> dict[str, Any]:
     wall time, the latencies are percentiles over every request."""
     results = [r for b in batches for r in b["results"]]
     attempts = [a for b in batches for a in b["attempts"]]
+    extra = {}
+    if all("frontend_cpu_s" in b for b in batches):
+        # CPU of the frontend process per output token, in microseconds.
+        tokens = sum(r["tokens"] for r in results)
+        extra["frontend_us_per_token"] = sum(b["frontend_cpu_s"] for b in batches) / tokens * 1e6
     return {
         **summarise(results, sum(b["wall"] for b in batches)),
+        **extra,
         "other_cores": max(b["other_cores"] for b in batches),
         "batch_tokens_per_s": [summarise(b["results"], b["wall"])["tokens_per_s"] for b in batches],
         "attempts": attempts,
@@ -106,6 +123,8 @@ def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["tokens_per_s_min"], out["tokens_per_s_max"] = min(rates), max(rates)
     out["other_cores_max"] = max(r["other_cores"] for r in runs)
     out["attempts"] = sum(len(r["attempts"]) for r in runs)
+    if all("frontend_us_per_token" in r for r in runs):
+        out["frontend_us_per_token"] = statistics.median(r["frontend_us_per_token"] for r in runs)
     return out
 
 

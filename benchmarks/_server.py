@@ -101,6 +101,22 @@ def http_base(ws_url: str) -> str:
     return ("https://" if scheme == "wss" else "http://") + rest.split("/", 1)[0]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (its threads, not its children) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def threads_cpu_seconds(pid: int) -> float:
+    """CPU time of a process's live threads, from the scheduler's nanosecond
+    counters (/proc tick counts are 10 ms: too coarse for one batch)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return total / 1e9
+
+
 def cpu_snapshot() -> tuple[float, float]:
     """(CPU seconds the machine has been busy, CPU seconds of this process and
     its live descendants). Their difference over a window is the CPU that

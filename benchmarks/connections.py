@@ -41,14 +41,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ._server import RESULTS, tokenwire_process
+from ._server import RESULTS, cpu_seconds, tokenwire_process
 from .gateway_ceiling import (
     BUSY,
     LIMIT_FLAGS,
     Clients,
     busy_cpu_seconds,
     code_note,
-    cpu_seconds,
     fmt,
     gc_pauses,
     machine,

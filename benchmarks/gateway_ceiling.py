@@ -70,7 +70,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ._server import RESULTS, SCRATCH, free_port, tokenwire_process
+from ._server import RESULTS, SCRATCH, cpu_seconds, free_port, tokenwire_process
 
 DELTA = "response.output_text.delta"
 PROTOCOLS = {"msgpack": "tokenwire.v1.msgpack", "json": "tokenwire.v1.json"}
@@ -98,12 +98,6 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
 def busy_cpu_seconds() -> float:

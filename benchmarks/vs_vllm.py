@@ -127,7 +127,7 @@ async def vllm_one(
 
 
 async def measure_round(
-    ones: dict[str, One], args: argparse.Namespace, r: int
+    ones: dict[str, One], pids: dict[str, int], args: argparse.Namespace, r: int
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Warm both up, then per level `--batches` batches on each server, in
     the order A B B A ... (A alternating between rounds), so each tokenwire
@@ -142,7 +142,14 @@ async def measure_round(
             for side in order:
                 done[side].append(
                     await measure_batch(
-                        ones[side], c, r, b, args.quiet_cores, args.retries, f"  {side:9s} "
+                        ones[side],
+                        c,
+                        r,
+                        b,
+                        args.quiet_cores,
+                        args.retries,
+                        f"  {side:9s} ",
+                        frontend_pid=pids[side],
                     )
                 )
         for side in SIDES:
@@ -154,8 +161,8 @@ async def measure_round(
 
 
 @contextmanager
-def vllm_server(model: str, timeout: float = 600) -> Iterator[str]:
-    """Yields the http:// base of a fresh `vllm.entrypoints.openai.api_server`."""
+def vllm_server(model: str, timeout: float = 600) -> Iterator[tuple[str, int]]:
+    """Yields the http:// base and the pid of a fresh `vllm.entrypoints.openai.api_server`."""
     port = free_port()
     SCRATCH.mkdir(exist_ok=True)
     log = open(SCRATCH / "vllm-openai-server.log", "wb")
@@ -196,7 +203,7 @@ def vllm_server(model: str, timeout: float = 600) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM server not ready in {timeout} s; see {log.name}")
             time.sleep(0.5)
-        yield base
+        yield base, proc.pid
     finally:
         proc.terminate()
         try:
@@ -212,14 +219,14 @@ def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
     startup: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
         t0 = time.perf_counter()
-        url, _ = stack.enter_context(
+        url, tw_proc = stack.enter_context(
             tokenwire_process(
                 "--engine", "vllm", "--log-level", "warning", log_name="vs-vllm-tokenwire.log"
             )
         )
         startup["tokenwire"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        base = stack.enter_context(vllm_server(model))
+        base, vllm_pid = stack.enter_context(vllm_server(model))
         startup["vllm"] = time.perf_counter() - t0
         print(
             f"  started: tokenwire in {startup['tokenwire']:.0f} s, "
@@ -236,7 +243,9 @@ def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
                     "tokenwire": lambda i, s: tokenwire_one(url, i, args.tokens, s),
                     "vllm": lambda i, s: vllm_one(base, http, i, args.tokens, s),
                 }
-                return await measure_round(ones, args, r)
+                return await measure_round(
+                    ones, {"tokenwire": tw_proc.pid, "vllm": vllm_pid}, args, r
+                )
 
         levels = asyncio.run(measure())
     leftovers = wait_for_descendants()  # fully down before the next round starts
@@ -290,8 +299,8 @@ def markdown(report: dict[str, Any]) -> str:
         "cores: the most CPU other programs on the machine took during a counted batch.",
         "",
         "| concurrency | server | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
-        "| ITL p99 (ms) | other cores |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ITL p99 (ms) | frontend CPU (µs/token) | other cores |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in levels:
         for side in SIDES:
@@ -300,14 +309,29 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {c} | {LABELS[side]} | {r['tokens_per_s']:.1f} "
                 f"[{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}] | "
                 f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
-                f"{r['itl_p99_ms']:.1f} | {r['other_cores_max']:.2f} |"
+                f"{r['itl_p99_ms']:.1f} | {r['frontend_us_per_token']:.0f} | "
+                f"{r['other_cores_max']:.2f} |"
             )
         q = report["ratios"][str(c)]
         lines.append(
             f"| {c} | **ratio tw/vLLM** | **{q['tokens_per_s']:.3f}x** | "
             f"{q['ttft_p50']:.2f}x | {q['ttft_p99']:.2f}x | {q['itl_p50']:.2f}x | "
-            f"{q['itl_p99']:.2f}x | |"
+            f"{q['itl_p99']:.2f}x | {q['frontend_us_per_token']:.2f}x | |"
         )
+    lines += [
+        "",
+        "Paired tokens/s ratios tw/vLLM, one per round (the two servers measured side by "
+        "side): "
+        + "; ".join(
+            f"c={c}: "
+            + ", ".join(f"{x:.3f}" for x in report["ratios"][str(c)]["tokens_per_s_rounds"])
+            + f" (median {statistics.median(report['ratios'][str(c)]['tokens_per_s_rounds']):.3f})"
+            for c in levels
+        )
+        + ". Frontend CPU: the CPU time of the server's own process (tokenwire serve, or "
+        "vLLM's api_server; not the engine processes below it) over a batch, connecting "
+        "included, per output token.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -352,6 +376,7 @@ def build_report(
                 f: tw[f"{f}_ms"] / vl[f"{f}_ms"]
                 for f in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
             },
+            "frontend_us_per_token": tw["frontend_us_per_token"] / vl["frontend_us_per_token"],
             # Paired within a round (the two turns ran next to each other).
             "tokens_per_s_rounds": [
                 rd["tokenwire"]["levels"][c]["tokens_per_s"]
