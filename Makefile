@@ -78,7 +78,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts client_js/node_modules
 
 # Every benchmark, one after the other (they must not share the 2 cores);
-# results go to benchmarks/results/ (JSON, Markdown, PNG). About 20 minutes.
+# results go to benchmarks/results/ (JSON, Markdown, PNG). About 35 minutes.
 BENCHMARKS := first_answer steer_tool_latency backpressure vs_vllm engine_ceiling \
 	cancel_steer_latency gateway_ceiling connections
 

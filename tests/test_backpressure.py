@@ -150,18 +150,19 @@ async def test_direct_and_queued_writes_keep_order(
     from tokenwire.transport import Connection
 
     calls = {"direct": 0, "queued": 0}
-    write_now, write_queued = Connection._write_now, Connection._write_queued
+    write_now, ring_batch = Connection._write_now, Connection._ring_batch
 
     def spy_now(self: Connection, *args: object) -> None:
         calls["direct"] += 1
         write_now(self, *args)
 
-    async def spy_queued(self: Connection) -> None:
-        calls["queued"] += 1
-        await write_queued(self)
+    def spy_ring_batch(self: Connection, merge: bool) -> list:
+        batch = ring_batch(self, merge)
+        calls["queued"] += len(batch)  # events the writer task sent
+        return batch
 
     monkeypatch.setattr(Connection, "_write_now", spy_now)
-    monkeypatch.setattr(Connection, "_write_queued", spy_queued)
+    monkeypatch.setattr(Connection, "_ring_batch", spy_ring_batch)
     ws = await raw_client(url_of(server))
     n = 6000
     await stream(ws, n)
@@ -172,6 +173,24 @@ async def test_direct_and_queued_writes_keep_order(
     ws.transport.abort()
 
 
+@pytest.mark.parametrize("server", [{"slow_client_timeout_s": 1.0}], indirect=True)
+async def test_big_event_written_at_once_does_not_close_a_reading_client(
+    server: TokenwireServer,
+) -> None:
+    """An event bigger than the high-water mark, written straight to an idle
+    client that reads it at once, must not leave the slow-client clocks
+    running: the client caught up, it is not slow."""
+    async with await connect(url_of(server)) as client:
+        # Echoed back in conversation.item.created: more than the kernel takes
+        # in one write, so part of it waits in the socket's buffer.
+        await client.add_message("word " * 60_000)
+        (conn,) = server.connections
+        await asyncio.sleep(SMALL["stall_s"] + 1.5)  # past the stall and slow-client clocks
+        assert conn.closed_for is None and not conn.paused
+        assert conn._stall_timer is None and conn._slow_timer is None
+        await client.add_message("still here")  # the socket is open and served
+
+
 class RecordingTransport:
     """A socket that takes everything at once: its write buffer stays empty."""
 
@@ -180,6 +199,9 @@ class RecordingTransport:
 
     def get_write_buffer_size(self) -> int:
         return 0
+
+    def is_closing(self) -> bool:
+        return False
 
     def writelines(self, data: list[bytes]) -> None:
         self.written.extend(data)

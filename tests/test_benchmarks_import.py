@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = sorted(
-    p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__",)
-)
+MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__",))
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -490,6 +490,9 @@ class Connection:
                 self._wakeup.set()
             buffered = self.buffered_amount
             if buffered > self.config.outbound_high_water:
+                # Only the writer task sees the client catch up and stops the
+                # clocks; a direct write did not wake it.
+                self._wakeup.set()
                 if self.state == "attached":
                     self._arm_clocks()
                 if buffered > self.config.outbound_hard_cap:
@@ -507,9 +510,11 @@ class Connection:
             or len(self.outbox)
             or self.paused
             or self._stall_timer is not None
+            or self._slow_timer is not None
             or not self._drained.is_set()
             or ws.protocol.state is not State.OPEN
             or ws.transport is None
+            or ws.transport.is_closing()
             or ws.transport.get_write_buffer_size()
         ):
             return None
@@ -519,7 +524,9 @@ class Connection:
         """Frame and write `events` in one go, without a task switch per event.
 
         What `ws.send` does for one frame, minus its wait for the buffer to
-        drain (the buffer is empty, and the caller checks buffered_amount)."""
+        drain (the buffer is empty, and the caller checks buffered_amount).
+        Order holds because `ws.send` too writes its frame before it first
+        awaits, and we never send fragmented messages."""
         protocol = ws.protocol
         for event in events:
             seq = self.outbox.number(event)
