@@ -14,6 +14,9 @@ from typing import Any
 from ._server import cpu_snapshot, other_cpu_cores, threads_cpu_seconds
 
 FIELDS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+LATENCIES = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+# The columns side_cells and ratio_cells fill, after concurrency and the row's name.
+TABLE_COLUMNS = "tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms)"
 
 # One request: (prompt number, start event) -> {"sent", "stamps", "tokens"}.
 One = Callable[[int, asyncio.Event], Awaitable[dict[str, Any]]]
@@ -126,6 +129,28 @@ def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if all("frontend_us_per_token" in r for r in runs):
         out["frontend_us_per_token"] = statistics.median(r["frontend_us_per_token"] for r in runs)
     return out
+
+
+def ratios(num: dict[str, Any], den: dict[str, Any]) -> dict[str, float]:
+    """num / den for tokens/s and each latency figure of two level summaries."""
+    return {
+        "tokens_per_s": num["tokens_per_s"] / den["tokens_per_s"],
+        **{f: num[f"{f}_ms"] / den[f"{f}_ms"] for f in LATENCIES},
+    }
+
+
+def side_cells(r: dict[str, Any]) -> str:
+    """A level summary's TABLE_COLUMNS cells: tokens/s [range over rounds], latencies."""
+    return (
+        f"{r['tokens_per_s']:.1f} [{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}] | "
+        f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
+        f"{r['itl_p99_ms']:.1f}"
+    )
+
+
+def ratio_cells(q: dict[str, float]) -> str:
+    """The latency cells of a ratio row (the tokens/s cell is each caller's own)."""
+    return " | ".join(f"{q[f]:.2f}x" for f in LATENCIES)
 
 
 def code_state() -> dict[str, Any]:

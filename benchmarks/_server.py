@@ -57,42 +57,70 @@ def run_on_vllm(
 
 
 @contextmanager
+def server_process(
+    cmd: list[str],
+    log_name: str,
+    ready: Callable[[], bool],
+    *,
+    what: str = "server",
+    timeout: float = 600,
+    poll_s: float = 0.2,
+    stop_timeout: float = 30,
+    **popen: Any,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `cmd` with its output in SCRATCH/`log_name`, yield its process once
+    `ready()` is true, and stop it afterwards: SIGTERM, then SIGKILL after
+    `stop_timeout` (10k sessions can take long to end; never leave it behind)."""
+    SCRATCH.mkdir(exist_ok=True)
+    log = open(SCRATCH / log_name, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **popen)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited; see {log.name}")
+            if ready():
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} not ready in {timeout} s; see {log.name}")
+            time.sleep(poll_s)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=stop_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def http_ok(url: str, check: Callable[[Any], bool] = lambda _: True) -> bool:
+    """Whether GET `url` answers 200 and `check` likes its body; False while
+    the server is not up yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200 and check(r.read())
+    except (OSError, ValueError):
+        return False
+
+
+@contextmanager
 def tokenwire_process(
     *args: str, log_name: str | None = None, timeout: float = 600
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Yields the ws:// URL of a fresh server run with `args`, and its process
     (for its pid: RSS, CPU time)."""
     port = free_port()
-    SCRATCH.mkdir(exist_ok=True)
-    log = open(SCRATCH / (log_name or f"server-{port}.log"), "wb")
-    proc = subprocess.Popen(
+    with server_process(
         [sys.executable, "-m", "tokenwire", "serve", "--port", str(port), *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {log.name}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-                    if json.loads(r.read()).get("ready"):
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready in {timeout} s; see {log.name}")
-            time.sleep(0.2)
+        log_name or f"server-{port}.log",
+        lambda: http_ok(
+            f"http://127.0.0.1:{port}/readyz", lambda body: json.loads(body).get("ready")
+        ),
+        timeout=timeout,
+    ) as proc:
         yield f"ws://127.0.0.1:{port}/v1/realtime", proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # 10k sessions can take long to end; never leave it behind
-            proc.wait()
-        log.close()
 
 
 def http_base(ws_url: str) -> str:

@@ -17,17 +17,16 @@ import asyncio
 import json
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from tokenwire.client import connect
 
-from ._server import SCRATCH, free_port
+from ._server import tokenwire_process
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RATE = 20.0
@@ -114,47 +113,25 @@ async def phase(
 
 
 async def run(n_healthy: int, n_stalled: int) -> dict:
-    port = free_port()
-    SCRATCH.mkdir(exist_ok=True)
-    log = open(SCRATCH / "backpressure-server.log", "wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire",
-            "serve",
-            "--engine",
-            "scripted",
-            "--port",
-            str(port),
-            "--scripted-tokens-per-s",
-            str(RATE),
-            "--sndbuf",
-            "16384",
-            "--log-level",
-            "warning",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        url = f"ws://127.0.0.1:{port}/v1/realtime"
-        for _ in range(100):
-            try:
-                async with await connect(url):
-                    break
-            except OSError:
-                await asyncio.sleep(0.1)
+    with tokenwire_process(
+        "--engine",
+        "scripted",
+        "--scripted-tokens-per-s",
+        str(RATE),
+        "--sndbuf",
+        "16384",
+        "--log-level",
+        "warning",
+        log_name="backpressure-server.log",
+    ) as (url, proc):
+        port = urlsplit(url).port
+        assert port is not None
         t0 = time.perf_counter()
         rss: list[tuple[float, int]] = []
         base_rss = rss_kib(proc.pid)
         a = await phase(url, port, proc.pid, n_healthy, 0, t0, rss)
         mark = time.perf_counter() - t0
         b = await phase(url, port, proc.pid, n_healthy, n_stalled, t0, rss)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
     return {
         "rate_tokens_per_s": RATE,
         "tokens": TOKENS,

@@ -44,7 +44,19 @@ from typing import Any
 
 from tokenwire.models import resolve_model
 
-from ._compare import One, batch, code_note, code_state, level_summary, measure_level, plot_sides
+from ._compare import (
+    TABLE_COLUMNS,
+    One,
+    batch,
+    code_note,
+    code_state,
+    level_summary,
+    measure_level,
+    plot_sides,
+    ratio_cells,
+    ratios,
+    side_cells,
+)
 from ._server import (
     RESULTS,
     SCRATCH,
@@ -216,25 +228,18 @@ def markdown(report: dict[str, Any]) -> str:
         f"(tokens/s range in brackets); phases in the order {' then '.join(report['order'])}, "
         "never together.",
         "",
-        "| concurrency | path | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
-        "| ITL p99 (ms) | other cores |",
+        f"| concurrency | path | {TABLE_COLUMNS} | other cores |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in levels:
         for side in SIDES:
             r = report[side][str(c)]
-            lines.append(
-                f"| {c} | {LABELS[side]} | {r['tokens_per_s']:.1f} "
-                f"[{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}] | "
-                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
-                f"{r['itl_p99_ms']:.1f} | {r['other_cores_max']:.2f} |"
-            )
+            lines.append(f"| {c} | {LABELS[side]} | {side_cells(r)} | {r['other_cores_max']:.2f} |")
         q = report["ratios"][str(c)]
         mark = "meets" if q["tokens_per_s"] >= TARGET else "**below**"
         lines.append(
             f"| {c} | **ratio tokenwire / AsyncLLM** | **{q['tokens_per_s']:.3f}x** "
-            f"({mark} {TARGET}) | {q['ttft_p50']:.2f}x | {q['ttft_p99']:.2f}x | "
-            f"{q['itl_p50']:.2f}x | {q['itl_p99']:.2f}x | |"
+            f"({mark} {TARGET}) | {ratio_cells(q)} | |"
         )
     lines += [
         "",
@@ -307,13 +312,7 @@ def main() -> None:
     report["ratios"] = {}
     for c in map(str, args.concurrency):
         tw, ll = report["tokenwire"][c], report["asyncllm"][c]
-        report["ratios"][c] = {
-            "tokens_per_s": tw["tokens_per_s"] / ll["tokens_per_s"],
-            **{
-                f: tw[f"{f}_ms"] / ll[f"{f}_ms"]
-                for f in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
-            },
-        }
+        report["ratios"][c] = ratios(tw, ll)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "engine_ceiling.json").write_text(json.dumps(report, indent=2))
     plot(report, RESULTS / "engine_ceiling.png")

@@ -70,7 +70,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ._server import RESULTS, SCRATCH, cpu_seconds, free_port, tokenwire_process
+from ._server import (
+    RESULTS,
+    SCRATCH,
+    cpu_seconds,
+    free_port,
+    server_process,
+    tokenwire_process,
+)
 
 DELTA = "response.output_text.delta"
 PROTOCOLS = {"msgpack": "tokenwire.v1.msgpack", "json": "tokenwire.v1.json"}
@@ -667,39 +674,28 @@ async def bare_serve(port: int, rate: float) -> None:
         await asyncio.get_running_loop().create_future()
 
 
+def listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False
+
+
 @contextmanager
 def bare_process(rate: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
-    SCRATCH.mkdir(exist_ok=True)
-    log = open(SCRATCH / "gateway_ceiling-bare.log", "wb")
-    proc = subprocess.Popen(
+    with server_process(
         [
             *(sys.executable, "-m", "benchmarks.gateway_ceiling"),
             *("--serve-bare", str(port), "--rate", str(rate)),
         ],
+        "gateway_ceiling-bare.log",
+        lambda: listening(port),
+        what="bare server",
+        timeout=30,
+        poll_s=0.1,
         cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"bare server exited; see {log.name}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("bare server not listening")
-            time.sleep(0.1)
+    ) as proc:
         yield f"ws://127.0.0.1:{port}/v1/realtime", proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @contextmanager

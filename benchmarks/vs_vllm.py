@@ -26,9 +26,9 @@ tokens over its wall time. A round's figure for a level and server pools its
 batches (all their tokens over all their wall time; latency percentiles over
 every request). A level's figure is the median over rounds, and the ratio
 tokenwire / vLLM is taken between those medians; the paired ratio of each
-round is listed too. Beside each batch
-we record the CPU other programs took on the machine meanwhile ("other
-cores"); a batch above --quiet-cores is run again (up to --retries times).
+round is listed too. Beside each batch we record the CPU other programs
+took on the machine meanwhile ("other cores"); a batch above --quiet-cores
+is run again (up to --retries times).
 About 14 minutes with the defaults on 2 quiet cores (a server start takes
 20-25 s). Writes results/vs_vllm.{json,md,png}.
 """
@@ -41,10 +41,8 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,6 +54,7 @@ from tokenwire.client import connect
 from tokenwire.models import resolve_model
 
 from ._compare import (
+    TABLE_COLUMNS,
     One,
     batch,
     code_state,
@@ -63,11 +62,15 @@ from ._compare import (
     measure_batch,
     plot_sides,
     pooled,
+    ratio_cells,
+    ratios,
+    side_cells,
 )
 from ._server import (
     RESULTS,
-    SCRATCH,
     free_port,
+    http_ok,
+    server_process,
     tokenwire_process,
     wait_for_descendants,
 )
@@ -164,9 +167,8 @@ async def measure_round(
 def vllm_server(model: str, timeout: float = 600) -> Iterator[tuple[str, int]]:
     """Yields the http:// base and the pid of a fresh `vllm.entrypoints.openai.api_server`."""
     port = free_port()
-    SCRATCH.mkdir(exist_ok=True)
-    log = open(SCRATCH / "vllm-openai-server.log", "wb")
-    proc = subprocess.Popen(
+    base = f"http://127.0.0.1:{port}"
+    with server_process(
         [
             sys.executable,
             "-m",
@@ -184,34 +186,15 @@ def vllm_server(model: str, timeout: float = 600) -> Iterator[tuple[str, int]]:
             str(port),
             "--disable-uvicorn-access-log",
         ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+        "vllm-openai-server.log",
+        lambda: http_ok(base + "/health"),
+        what="vLLM server",
+        timeout=timeout,
+        poll_s=0.5,
+        stop_timeout=60,
         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1"),
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited; see {log.name}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server not ready in {timeout} s; see {log.name}")
-            time.sleep(0.5)
+    ) as proc:
         yield base, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
@@ -298,25 +281,20 @@ def markdown(report: dict[str, Any]) -> str:
         "the batches on one server at a time, alternating A B B A, and stops both. Other "
         "cores: the most CPU other programs on the machine took during a counted batch.",
         "",
-        "| concurrency | server | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
-        "| ITL p99 (ms) | frontend CPU (µs/token) | other cores |",
+        f"| concurrency | server | {TABLE_COLUMNS} | frontend CPU (µs/token) | other cores |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in levels:
         for side in SIDES:
             r = report[side][str(c)]
             lines.append(
-                f"| {c} | {LABELS[side]} | {r['tokens_per_s']:.1f} "
-                f"[{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}] | "
-                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
-                f"{r['itl_p99_ms']:.1f} | {r['frontend_us_per_token']:.0f} | "
-                f"{r['other_cores_max']:.2f} |"
+                f"| {c} | {LABELS[side]} | {side_cells(r)} | "
+                f"{r['frontend_us_per_token']:.0f} | {r['other_cores_max']:.2f} |"
             )
         q = report["ratios"][str(c)]
         lines.append(
-            f"| {c} | **ratio tw/vLLM** | **{q['tokens_per_s']:.3f}x** | "
-            f"{q['ttft_p50']:.2f}x | {q['ttft_p99']:.2f}x | {q['itl_p50']:.2f}x | "
-            f"{q['itl_p99']:.2f}x | {q['frontend_us_per_token']:.2f}x | |"
+            f"| {c} | **ratio tw/vLLM** | **{q['tokens_per_s']:.3f}x** | {ratio_cells(q)} | "
+            f"{q['frontend_us_per_token']:.2f}x | |"
         )
     lines += [
         "",
@@ -371,13 +349,9 @@ def build_report(
     for c in map(str, args.concurrency):
         tw, vl = report["tokenwire"][c], report["vllm"][c]
         report["ratios"][c] = {
-            "tokens_per_s": tw["tokens_per_s"] / vl["tokens_per_s"],
-            **{
-                f: tw[f"{f}_ms"] / vl[f"{f}_ms"]
-                for f in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
-            },
+            **ratios(tw, vl),
             "frontend_us_per_token": tw["frontend_us_per_token"] / vl["frontend_us_per_token"],
-            # Paired within a round (the two turns ran next to each other).
+            # Paired within a round (the two servers ran side by side).
             "tokens_per_s_rounds": [
                 rd["tokenwire"]["levels"][c]["tokens_per_s"]
                 / rd["vllm"]["levels"][c]["tokens_per_s"]
