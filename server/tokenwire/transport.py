@@ -508,10 +508,7 @@ class Connection:
             or not self._live
             or self.store is not None
             or len(self.outbox)
-            or self.paused
-            or self._stall_timer is not None
-            or self._slow_timer is not None
-            or not self._drained.is_set()
+            or self._behind()
             or ws.protocol.state is not State.OPEN
             or ws.transport is None
             or ws.transport.is_closing()
@@ -529,10 +526,9 @@ class Connection:
         awaits, and we never send fragmented messages."""
         protocol = ws.protocol
         for event in events:
-            seq = self.outbox.number(event)
-            frame = self.codec.encode(event)
-            self.ring.append(seq, frame)
-            self._logged_seq = self._sent_seq = seq
+            self.outbox.number(event)
+            frame = self._ring_frame(event)
+            self._sent_seq = event["seq"]
             if isinstance(frame, bytes):
                 protocol.send_binary(frame)
             else:
@@ -540,6 +536,16 @@ class Connection:
         ws.transport.writelines(protocol.data_to_send())
 
     # -- backpressure --------------------------------------------------------
+
+    def _behind(self) -> bool:
+        """The client fell behind and has not been seen to catch up (the
+        writer task's `_caught_up` ends this)."""
+        return (
+            self.paused
+            or self._stall_timer is not None
+            or self._slow_timer is not None
+            or not self._drained.is_set()
+        )
 
     def _arm_clocks(self) -> None:
         """The client is behind: from now on it has stall_s, then slow_client_timeout_s."""
@@ -658,12 +664,7 @@ class Connection:
                         if self.store is not None and (self.paused or not self._drained.is_set()):
                             self._caught_up()  # the log took it all: generate on
                         continue
-                    if (
-                        self.paused
-                        or self._stall_timer
-                        or self._slow_timer
-                        or not self._drained.is_set()
-                    ):
+                    if self._behind():
                         # The queue is empty, but the socket may still hold what
                         # the client has not read: wait until it has.
                         await self._wait_socket_below(high_water // 2)
@@ -721,10 +722,14 @@ class Connection:
         event = self.outbox.pop(merge=merge)
         if event is None:
             return []
+        return [(event["seq"], event, self._ring_frame(event))]
+
+    def _ring_frame(self, event: dict[str, Any]) -> str | bytes:
+        """Encode a numbered event and keep its frame in the ring, for resume."""
         frame = self.codec.encode(event)
         self.ring.append(event["seq"], frame)
         self._logged_seq = event["seq"]
-        return [(event["seq"], event, frame)]
+        return frame
 
     async def _log_batch(self, merge: bool) -> list[tuple[int, dict[str, Any], str | bytes]]:
         """With Redis: pop everything queued and log it, with a snapshot when
