@@ -16,7 +16,10 @@ import redis
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
+from tokenwire.client import Reconnect, connect
+
 from .conftest import ARTIFACTS, RedisServer, Spawned, http_json, spawn_server
+from .proxy import Proxy
 from .test_resume import Wire, expected, resume, start_stream
 
 
@@ -106,6 +109,7 @@ async def test_resume_on_another_instance_follows_the_owner(redis_server: RedisS
         assert done["response"]["status"] == "completed"
         [resumed] = reader.of("session.resumed")
         assert resumed["session"]["id"] == sid and resumed["last_seq"] == 20
+        assert resumed["client_events"] == 1  # counted by the owner: the response.create
         # The session still lives on A; what the client sends through B runs there.
         await wire.send(
             {
@@ -213,6 +217,31 @@ async def test_sigterm_drain_hands_running_responses_over(redis_server: RedisSer
         await wire.ws.close()
 
 
+async def test_the_python_client_follows_a_drain_by_itself(redis_server: RedisServer) -> None:
+    """Behind a balancer (the proxy), the client resumes on the other
+    instance after the 1012, and the same response goes on to its end."""
+    n = 200
+    with instances(redis_server, "--drain-timeout-s", "0.5", rate=50, name="client") as (a, b):
+        async with Proxy(a.port) as balancer:
+            policy = Reconnect(initial_delay_s=0.05, max_delay_s=0.2)
+            async with await connect(balancer.url(), reconnect=policy) as tw:
+                sid = tw.session_id
+                response = await tw.create_response(ignore_eos=True, max_output_tokens=n)
+                deltas: list[str] = []
+                async for event in response:
+                    if event["type"] == "response.output_text.delta":
+                        deltas.append(event["delta"])
+                        if len(deltas) == 10:
+                            balancer.target = ("127.0.0.1", b.port)  # A leaves the pool
+                            a.proc.send_signal(signal.SIGTERM)
+                assert event["response"]["status"] == "completed"
+                assert "".join(deltas) == expected(n)
+                assert tw.reconnects == 1 and tw.session_id == sid
+                assert a.proc.wait(timeout=30) == 0
+                assert await tw.ask("on B") == "You said: on B"
+                assert http_json(b.http + "/healthz")[1]["sessions"] == 1
+
+
 async def test_sigterm_drain_lets_short_responses_finish(redis_server: RedisServer) -> None:
     with instances(redis_server, "--drain-timeout-s", "20", rate=20, n=1, name="drain-short") as (
         a,
@@ -251,6 +280,8 @@ async def test_kill_9_takeover(redis_server: RedisServer) -> None:
         assert done["response"]["status"] == "completed"
         assert reader.text == expected(n)  # one complete answer
         assert len(reader.of("response.created")) == 1  # the same response, continued
+        # The count came with the snapshot: the response.create was taken.
+        assert [r["client_events"] for r in reader.of("session.resumed")][-1:] == [1]
         with urllib.request.urlopen(b.http + "/metrics", timeout=5) as r:
             assert "tokenwire_session_takeovers_total 1.0" in r.read().decode()
         await wire.ws.close()

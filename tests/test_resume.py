@@ -103,6 +103,7 @@ async def test_resume_replays_then_continues(server: RunningServer) -> None:
     # Replayed events come first, then session.resumed, then what was never sent.
     assert resumed["seq"] == 200 + resumed["replayed"] + 1
     assert resumed["session"]["subprotocol"] == "tokenwire.v1.msgpack"
+    assert resumed["client_events"] == 1  # the response.create
     assert seqs == list(range(1, len(seqs) + 1))  # no gap, no duplicate
     assert text == expected(n)
     assert event["response"]["status"] == "completed"

@@ -8,7 +8,7 @@ import pytest
 
 from tokenwire.engines.base import EngineDelta
 from tokenwire.outbox import Outbox
-from tokenwire.protocol import ErrorCode
+from tokenwire.protocol import ErrorCode, ProtocolError
 from tokenwire.session import AbortGeneration, Session, SessionLimits, StartGeneration
 
 
@@ -335,3 +335,17 @@ def test_conversation_size_is_capped(clock: Clock) -> None:
     )
     assert errors(events) == ["conversation_too_large"]
     assert s.history_bytes == 60
+
+
+def test_client_events_counts_every_frame_taken(session: Session) -> None:
+    """What a resuming client is told the server took, so it resends the rest."""
+    start(session)  # two events
+    send(session, {"type": "response.cancel", "event_id": "c"})  # taken, no echo
+    assert errors(send(session, {"type": "no.such.event"})) == ["unknown_event_type"]
+    session.receive_protocol_error(ProtocolError(ErrorCode.MALFORMED_FRAME, "not JSON"))
+    assert session.client_events == 5
+    # A refused resume is about no frame of this session.
+    session.receive_protocol_error(
+        ProtocolError(ErrorCode.SESSION_NOT_FOUND, "no such session"), frame=False
+    )
+    assert session.client_events == 5

@@ -145,3 +145,10 @@ def test_abandon_frees_the_key_quota_and_says_nothing() -> None:
     assert quota.held == 0 and not s.active_responses
     assert s.events_to_send() == []
     assert isinstance(s.actions_to_perform()[-1], AbortGeneration)
+
+
+def test_the_client_event_count_survives_a_takeover() -> None:
+    s = Session()
+    start(s, "one")
+    r = Session.restore(over_the_wire(s))
+    assert r.client_events == s.client_events == 2

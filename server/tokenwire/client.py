@@ -15,6 +15,11 @@ Tool handlers run when a call's arguments are complete; their return value
 
     async def get_weather(city: str) -> dict: ...
     tw = await connect(url, tools={"get_weather": get_weather})
+
+When the connection drops, the client reconnects and resumes the session by
+itself (`reconnect=False` turns that off): calls in flight and responses go
+on, replayed events are not seen twice, and events the server never took are
+sent again, once (`session.resumed` says how many it took).
 """
 
 from __future__ import annotations
@@ -23,21 +28,32 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from .protocol import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, decode_frame
 
 DEFAULT_URL = "ws://127.0.0.1:8765/v1/realtime"
 _TERMINAL = "response.done"
+# Closes after which the session is gone (or resuming cannot help): no reconnect.
+_FINAL_CLOSE_CODES = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 4000, 4008})
+# Handshake refusals that another attempt will not change.
+_FINAL_HTTP_STATUSES = frozenset({400, 401, 403, 404})
+
+log = logging.getLogger("tokenwire.client")
 
 
 class TokenwireError(Exception):
-    """An `error` event from the server, raised from the call that caused it."""
+    """An `error` event from the server, raised from the call that caused it;
+    or the client's own (`type` "client_error"): `message_too_big`,
+    `resume_failed`."""
 
     def __init__(self, error: dict[str, Any]) -> None:
         super().__init__(f"{error.get('code')}: {error.get('message')}")
@@ -117,8 +133,45 @@ class Response:
 ToolHandler = Callable[..., Awaitable[Any]]
 
 
+@dataclass(frozen=True)
+class Reconnect:
+    """How the client gets back into its session after the connection drops:
+    up to `max_attempts` tries in a row, each after a random delay of up to
+    `initial_delay_s * 2**attempt` (capped at `max_delay_s`), and no sooner
+    than a `session.going_away` asked."""
+
+    max_attempts: int = 10
+    initial_delay_s: float = 0.25
+    max_delay_s: float = 10.0
+    # How long one attempt may take: connect, then the replay up to session.resumed.
+    attempt_timeout_s: float = 10.0
+
+    def delay(self, attempt: int) -> float:
+        """Full jitter, so clients dropped together do not come back together."""
+        return random.random() * min(self.max_delay_s, self.initial_delay_s * 2**attempt)
+
+
+def _client_error(code: str, message: str) -> TokenwireError:
+    return TokenwireError({"type": "client_error", "code": code, "message": message})
+
+
+class _ResumeRefused(Exception):
+    def __init__(self, error: dict[str, Any], fresh: dict[str, Any]) -> None:
+        super().__init__(error.get("message"))
+        self.error = error
+        self.fresh = fresh
+
+
 class Client:
-    def __init__(self, ws: ClientConnection, tools: dict[str, ToolHandler] | None = None) -> None:
+    def __init__(
+        self,
+        ws: ClientConnection,
+        tools: dict[str, ToolHandler] | None = None,
+        *,
+        url: str | None = None,
+        ws_options: dict[str, Any] | None = None,
+        reconnect: Reconnect | None = None,
+    ) -> None:
         self.ws = ws
         # Tool name -> async function called with the call's arguments as keywords.
         self.tool_handlers: dict[str, ToolHandler] = dict(tools or {})
@@ -131,8 +184,32 @@ class Client:
         # Events that belong to no response and answer no request.
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.last_seq = 0
+        # Reconnecting needs the URL and options the first connection used.
+        self.reconnect = reconnect if url is not None else None
+        self._url = url
+        self._ws_options = dict(ws_options or {})
+        # open | reconnecting | closed; sends wait while reconnecting.
+        self.state = "open"
+        self.reconnects = 0  # sessions resumed after a drop
+        self._open = asyncio.Event()
+        self._open.set()
+        self._closing = False
+        self._closed_error: BaseException = ConnectionError("connection closed")
+        self._retry_after_s = 0.0
+        # Frames sent in this session that the server may not have taken yet:
+        # (number, event_id, frame). Numbers count every event sent but
+        # session.resume, as the server's client_events does.
+        self._sent_count = 0
+        self._unconfirmed: list[tuple[int, str | None, str | bytes]] = []
+        # Bumped when the session is replaced (a refused resume): a send
+        # waiting to reconnect was meant for the old one.
+        self._epoch = 0
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read_loop())
+
+    @property
+    def session_id(self) -> str | None:
+        return self.session.get("id")
 
     async def __aenter__(self) -> Client:
         return self
@@ -141,19 +218,25 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        """Close for good (no reconnect)."""
+        self._closing = True
+        if self.state == "reconnecting":
+            self._reader.cancel()
         await self.ws.close()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
+        self._finish(ConnectionError("the client closed the connection"))
 
     # -- sending -------------------------------------------------------------
 
     async def send(self, event: dict[str, Any]) -> None:
         """Send an event without waiting for a reply (errors still raise in request())."""
         event.setdefault("event_id", f"evt_{next(self._ids)}")
-        await self.ws.send(self.codec.encode(event))
+        await self._send(event)
 
     async def send_raw(self, frame: str | bytes) -> None:
-        await self.ws.send(frame)
+        """Send a frame as is (tests send malformed ones with it)."""
+        await self._write(frame, None)
 
     async def request(self, event: dict[str, Any]) -> dict[str, Any]:
         """Send an event and wait for the reply that echoes its event_id."""
@@ -161,10 +244,47 @@ class Client:
         future = asyncio.get_running_loop().create_future()
         self._pending[event_id] = future
         try:
-            await self.ws.send(self.codec.encode(event))
+            await self._send(event)
             return await future
         finally:
             self._pending.pop(event_id, None)
+
+    async def _send(self, event: dict[str, Any]) -> None:
+        frame = self.codec.encode(event)
+        limit = self.session.get("max_message_bytes")
+        size = len(frame.encode() if isinstance(frame, str) else frame)
+        if limit and size > limit:
+            # The server would close the socket with 1009; refuse it here instead.
+            raise _client_error(
+                "message_too_big", f"the event is {size} bytes; the server accepts at most {limit}"
+            )
+        await self._write(frame, event.get("event_id"))
+
+    async def _write(self, frame: str | bytes, event_id: str | None) -> None:
+        epoch = self._epoch
+        while self.state == "reconnecting":
+            await self._open.wait()
+        if self.state == "closed":
+            raise self._closed_error
+        if epoch != self._epoch:
+            raise self._closed_error  # the session it was meant for is gone
+        # No await between numbering and writing: numbers follow the wire order.
+        self._sent_count += 1
+        self._unconfirmed.append((self._sent_count, event_id, frame))
+        try:
+            await self.ws.send(frame)
+        except ConnectionClosed:
+            if self.reconnect is None or self._closing:
+                raise
+            # The resume sends it again if the server did not take it.
+
+    def _confirm(self, event_id: str) -> None:
+        """A reply echoes `event_id`: the server took that event and, since it
+        takes them in order, every one before it."""
+        for i, (_, sent_id, _) in enumerate(self._unconfirmed):
+            if sent_id == event_id:
+                del self._unconfirmed[: i + 1]
+                return
 
     async def update_session(self, **fields: Any) -> dict[str, Any]:
         reply = await self.request({"type": "session.update", "session": fields})
@@ -197,26 +317,155 @@ class Client:
     async def _read_loop(self) -> None:
         error: BaseException = ConnectionError("connection closed")
         try:
-            async for frame in self.ws:
-                self._dispatch(decode_frame(frame))
-        except ConnectionClosed as exc:
-            error = exc
+            while True:
+                try:
+                    async for frame in self.ws:
+                        self._dispatch(decode_frame(frame))
+                except ConnectionClosed as exc:
+                    error = exc
+                code = self.ws.close_code
+                if (
+                    self._closing
+                    or self.reconnect is None
+                    or not self._ready.done()
+                    or code in _FINAL_CLOSE_CODES
+                ):
+                    break
+                if not await self._reconnect(code):
+                    error = _client_error(
+                        "reconnect_failed",
+                        f"could not resume session {self.session_id} after the connection "
+                        f"closed ({code})",
+                    )
+                    break
         finally:
-            if not self._ready.done():
-                self._ready.set_exception(error)
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(error)
-            for response in self._responses.values():
-                response._fail(error)
+            self._finish(error)
+
+    def _finish(self, error: BaseException) -> None:
+        if self.state == "closed":
+            return
+        self.state = "closed"
+        self._closed_error = error
+        self._open.set()  # waiting sends see "closed"
+        if not self._ready.done():
+            self._ready.set_exception(error)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        for response in self._responses.values():
+            response._fail(error)
+
+    async def _reconnect(self, code: int | None) -> bool:
+        """Back into the same session on a new connection; False if that failed."""
+        assert self.reconnect is not None and self._url is not None
+        self.state = "reconnecting"
+        self._open.clear()
+        floor, self._retry_after_s = self._retry_after_s, 0.0
+        for attempt in range(self.reconnect.max_attempts):
+            delay = max(self.reconnect.delay(attempt), floor)
+            floor = 0.0
+            log.warning(
+                "tokenwire: connection closed (%s); resuming session %s, attempt %d in %.2f s",
+                code,
+                self.session_id,
+                attempt + 1,
+                delay,
+            )
+            await asyncio.sleep(delay)
+            try:
+                async with asyncio.timeout(self.reconnect.attempt_timeout_s):
+                    ws = await ws_connect(self._url, **self._ws_options)
+                    await self._resume_on(ws)
+            except _ResumeRefused as refused:
+                self._resume_failed(refused)
+                break
+            except InvalidStatus as exc:
+                if exc.response.status_code in _FINAL_HTTP_STATUSES:
+                    log.error("tokenwire: reconnect refused: %s", exc)
+                    return False
+                continue
+            except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
+                log.warning("tokenwire: reconnect attempt %d failed: %s", attempt + 1, exc)
+                continue
+            self.reconnects += 1
+            log.warning("tokenwire: resumed session %s", self.session_id)
+            break
+        else:
+            return False
+        self.state = "open"
+        self._open.set()
+        return True
+
+    async def _resume_on(self, ws: ClientConnection) -> None:
+        """Resume on a new socket: take the replay, then send again what the
+        server never took."""
+        try:
+            fresh = decode_frame(await ws.recv())  # the new socket's own session
+            resume_id = f"evt_{next(self._ids)}"
+            await ws.send(
+                self.codec.encode(
+                    {
+                        "type": "session.resume",
+                        "event_id": resume_id,
+                        "session_id": self.session_id,
+                        "last_seq": self.last_seq,
+                    }
+                )
+            )
+            while True:
+                event = decode_frame(await ws.recv())
+                if event["type"] == "error" and event["error"].get("event_id") == resume_id:
+                    self.ws = ws
+                    raise _ResumeRefused(event, fresh)
+                self._dispatch(event)
+                if event["type"] == "session.resumed":
+                    break
+        except BaseException:
+            if self.ws is not ws:
+                await ws.close()
+            raise
+        self.ws = ws
+        taken = event.get("client_events", 0)
+        self._unconfirmed = [u for u in self._unconfirmed if u[0] > taken]
+        for _, _, frame in self._unconfirmed:
+            await ws.send(frame)
+
+    def _resume_failed(self, refused: _ResumeRefused) -> None:
+        """The old session is gone: what was in flight fails, and the client
+        goes on in the fresh session the new socket announced."""
+        old = self.session_id
+        error = _client_error(
+            "resume_failed",
+            f"could not resume session {old}: {refused.error['error'].get('code')}: "
+            f"{refused.error['error'].get('message')}",
+        )
+        log.error("tokenwire: %s; going on in session %s", error, refused.fresh["session"]["id"])
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        for response in self._responses.values():
+            response._fail(error)
+        self._responses.clear()
+        self._closed_error = error
+        self._epoch += 1
+        self._sent_count = 0
+        self._unconfirmed.clear()
+        self.session = refused.fresh["session"]
+        self.last_seq = max(refused.fresh.get("seq", 0), refused.error.get("seq", 0))
 
     def _dispatch(self, event: dict[str, Any]) -> None:
-        self.last_seq = event.get("seq", self.last_seq)
+        seq = event.get("seq")
+        if isinstance(seq, int):
+            if seq <= self.last_seq:
+                return  # replayed after a resume, and already seen
+            self.last_seq = seq
         kind = event["type"]
-        if kind == "session.created":
+        if kind in ("session.created", "session.resumed"):
             self.session = event["session"]
             if not self._ready.done():
                 self._ready.set_result(event)
+        elif kind == "session.going_away":
+            self._retry_after_s = event.get("retry_after_ms", 0) / 1000
         elif kind == "response.created":
             response = Response(self, event)
             self._responses[response.id] = response
@@ -235,6 +484,8 @@ class Client:
         event_id = event.get("event_id") or (
             event["error"].get("event_id") if kind == "error" else None
         )
+        if event_id:
+            self._confirm(event_id)
         future = self._pending.get(event_id) if event_id else None
         if future is not None and not future.done():
             if kind == "error":
@@ -252,7 +503,7 @@ class Client:
             output = result if isinstance(result, str) else json.dumps(result)
         except Exception as exc:
             output = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-        with contextlib.suppress(TokenwireError, ConnectionClosed):
+        with contextlib.suppress(TokenwireError, ConnectionClosed, ConnectionError):
             await self.create_item(
                 {"type": "function_call_output", "call_id": event["call_id"], "output": output}
             )
@@ -264,18 +515,24 @@ async def connect(
     protocol: Literal["json", "msgpack"] = "msgpack",
     api_key: str | None = None,
     tools: dict[str, ToolHandler] | None = None,
+    reconnect: Reconnect | bool = True,
     **kwargs: Any,
 ) -> Client:
-    """Open a session; returns once `session.created` has arrived."""
+    """Open a session; returns once `session.created` has arrived.
+
+    `reconnect`: resume the session by itself when the connection drops
+    (`True`: `Reconnect()`'s defaults; `False`: never). Other keyword
+    arguments go to `websockets.asyncio.client.connect`."""
     subprotocol = SUBPROTOCOL_MSGPACK if protocol == "msgpack" else SUBPROTOCOL_JSON
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    ws = await ws_connect(
-        url,
-        subprotocols=[subprotocol],
-        additional_headers=headers,
-        compression=None,  # type: ignore[list-item]
+    options: dict[str, Any] = {
+        "subprotocols": [subprotocol],
+        "additional_headers": headers,
+        "compression": None,
         **kwargs,
-    )
-    client = Client(ws, tools)
+    }
+    ws = await ws_connect(url, **options)
+    policy = Reconnect() if reconnect is True else reconnect or None
+    client = Client(ws, tools, url=url, ws_options=options, reconnect=policy)
     await client._ready
     return client

@@ -166,6 +166,9 @@ class Session:
         self._events: list[dict[str, Any]] = []
         self._actions: list[Action] = []
         self.history_bytes = 0
+        # Client frames taken so far (a resume request excepted): a resuming
+        # client resends only what comes after them.
+        self.client_events = 0
         self.closed = False
         self._emit({"type": "session.created", "session": self.describe()})
 
@@ -194,6 +197,7 @@ class Session:
 
     def receive_client_event(self, obj: Any) -> None:
         """Take one decoded frame; bad input becomes an `error` event."""
+        self.client_events += 1
         try:
             try:
                 p.check_values(obj)  # the transport's decoder checks too; this is the API
@@ -214,8 +218,10 @@ class Session:
         except ProtocolError as err:
             self._emit(err.to_event())
 
-    def receive_protocol_error(self, err: ProtocolError) -> None:
-        """A frame the transport could not decode."""
+    def receive_protocol_error(self, err: ProtocolError, *, frame: bool = True) -> None:
+        """A frame the transport could not decode; `frame=False` for an error
+        about no frame of this session (a refused resume)."""
+        self.client_events += frame
         self._emit(err.to_event())
 
     def _on_session_update(self, ev: p.SessionUpdate) -> None:
@@ -992,6 +998,7 @@ class Session:
             "info": self._info,
             "items": self.items,
             "history_bytes": self.history_bytes,
+            "client_events": self.client_events,
             "finished": list(self._finished.items()),
             "calls": {
                 cid: [item["id"], rid, done] for cid, (item, rid, done) in self._calls.items()
@@ -1010,6 +1017,7 @@ class Session:
         session.items = state["items"]
         session._items_by_id = {it["id"]: it for it in session.items}
         session.history_bytes = state["history_bytes"]
+        session.client_events = state.get("client_events", 0)
         session._finished = OrderedDict((rid, status) for rid, status in state["finished"])
         now, wall = session.clock(), time.time()
         for rs in state["responses"]:

@@ -177,6 +177,7 @@ class Connection:
         self._last_frame = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._closer: asyncio.Task[None] | None = None
+        self._resuming: asyncio.Task[None] | None = None
         # "new" | "attached" | "detached" | "remote" (followed from another
         # instance) | "ended" | "handed_over" (another instance continues it)
         self.state = "new" if restored is None else "detached"
@@ -342,6 +343,7 @@ class Connection:
                 "session": self.session.describe(),
                 "last_seq": last_seq,
                 "replayed": replayed,
+                "client_events": self.session.client_events,
             }
         )
         self._wakeup.set()
@@ -375,7 +377,7 @@ class Connection:
                     assert isinstance(event, SessionResume)
                     return event
                 except ProtocolError as err:
-                    self.session.receive_protocol_error(err)
+                    self.session.receive_protocol_error(err, frame=False)
             else:
                 self.session.receive_client_event(obj)
         self._pump()
@@ -390,7 +392,7 @@ class Connection:
                 )
             return await self._find_session(event, self.key_id, self)
         except ProtocolError as err:
-            self.session.receive_protocol_error(err)
+            self.session.receive_protocol_error(err, frame=False)
             self._pump()
             return None
 
@@ -399,15 +401,28 @@ class Connection:
     def receive_forwarded(self, op: str, data: Any) -> None:
         """An op from an instance whose client follows this session."""
         if op == "attach":
-            if self.state == "attached" and self.ws is not None and self.ws.transport:
-                self.ws.transport.abort()  # the client has moved on from that socket
+            old_socket = self.state == "attached" and self.ws is not None and self.ws.transport
             self.state = "remote"
             self._first_frame = False  # the follower's socket resumed already
-            self.push_resumed(data["last_seq"], max(self._logged_seq - data["last_seq"], 0))
+            if old_socket:
+                assert self.ws is not None
+                self.ws.transport.abort()  # the client has moved on from that socket
+                # Frames that socket already received are still taken; count
+                # them in session.resumed's client_events, so none is resent.
+                self._resuming = asyncio.get_running_loop().create_task(
+                    self._resumed_after_detach(data["last_seq"])
+                )
+            else:
+                self.push_resumed(data["last_seq"], max(self._logged_seq - data["last_seq"], 0))
         elif op == "frame" and self.state == "remote":
             self._receive(data)
         elif op == "detach" and self.state == "remote":
             self.state = "detached"
+
+    async def _resumed_after_detach(self, last_seq: int) -> None:
+        await self.detached.wait()
+        if self.state == "remote":
+            self.push_resumed(last_seq, max(self._logged_seq - last_seq, 0))
 
     def continue_restored(self) -> None:
         """A taken-over session: continue its generations (logged while no

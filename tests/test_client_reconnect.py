@@ -1,0 +1,264 @@
+"""The Python client resumes its session by itself when the network drops.
+
+A TCP proxy between client and server cuts connections (a reset on both
+sides) or swallows one direction, as a network does; the server is the real
+one, on the scripted engine, in this process so a test can look at what it
+holds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from tokenwire.client import Reconnect, TokenwireError, connect
+from tokenwire.config import ServerConfig
+from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.server import TokenwireServer
+
+from .proxy import Proxy
+
+FAST = Reconnect(initial_delay_s=0.01, max_delay_s=0.05, attempt_timeout_s=5)
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+def expected(n: int) -> str:
+    return "".join(f" t{i}" for i in range(n))
+
+
+async def start(**overrides: Any) -> TokenwireServer:
+    config = ServerConfig(
+        **{
+            "engine": "scripted",
+            "port": 0,
+            "scripted_tokens_per_s": 200.0,
+            "resume_grace_s": 10.0,
+            "max_events_per_s": 0,
+            **overrides,
+        }
+    )
+    server = TokenwireServer(config, ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s))
+    await server.start()
+    return server
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[TokenwireServer]:
+    server = await start()
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+async def proxy(server: TokenwireServer) -> AsyncIterator[Proxy]:
+    async with Proxy(server.port) as proxy:
+        yield proxy
+
+
+def items(server: TokenwireServer, session_id: str | None) -> list[dict[str, Any]]:
+    assert session_id is not None
+    return server.sessions[session_id].session.items
+
+
+async def until(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            while not check():  # noqa: ASYNC110 - polls state no event signals
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"not seen within {timeout} s: {what}") from None
+
+
+async def in_background(call: Awaitable[Any]) -> asyncio.Task[Any]:
+    task = asyncio.ensure_future(call)
+    await asyncio.sleep(0)
+    return task
+
+
+async def test_a_cut_mid_response_loses_nothing(server: TokenwireServer, proxy: Proxy) -> None:
+    async with await connect(proxy.url(), reconnect=FAST) as tw:
+        session_id = tw.session_id
+        response = await tw.create_response(ignore_eos=True, max_output_tokens=80)
+        deltas: list[str] = []
+        async for delta in response.text_deltas():
+            deltas.append(delta)
+            if len(deltas) == 5:
+                proxy.cut()
+        done = await response.done()
+        assert done["status"] == "completed"
+        # Every token once, in order: the replay filled the gap, with no repeat.
+        assert "".join(deltas) == expected(80)
+        assert tw.reconnects == 1 and proxy.connections == 2
+        assert tw.session_id == session_id and tw.state == "open"
+        assert await tw.ask("still here?") == "You said: still here?"
+
+
+async def test_an_event_the_server_never_got_is_sent_again_once(
+    server: TokenwireServer, proxy: Proxy
+) -> None:
+    async with await connect(proxy.url(), reconnect=FAST) as tw:
+        proxy.drop_upstream = True
+        task = await in_background(tw.add_message("hello"))
+        await until(lambda: proxy.dropped > 0, "the frame swallowed")
+        proxy.cut()
+        proxy.drop_upstream = False
+        item = await asyncio.wait_for(task, 10)
+        assert item["content"] == "hello"
+        assert [i["content"] for i in items(server, tw.session_id)] == ["hello"]
+        assert tw.reconnects == 1
+
+
+async def test_an_event_the_server_took_is_not_sent_again(
+    server: TokenwireServer, proxy: Proxy
+) -> None:
+    async with await connect(proxy.url(), reconnect=FAST) as tw:
+        proxy.drop_downstream = True
+        task = await in_background(tw.add_message("once"))
+        await until(lambda: len(items(server, tw.session_id)) == 1, "the item created")
+        proxy.cut()
+        proxy.drop_downstream = False
+        # Its reply was lost with the socket; the replay brings it.
+        item = await asyncio.wait_for(task, 10)
+        stored = items(server, tw.session_id)
+        assert [i["content"] for i in stored] == ["once"] and stored[0]["id"] == item["id"]
+        assert tw.reconnects == 1
+
+
+async def test_an_event_with_no_reply_the_server_took_is_not_sent_again(
+    server: TokenwireServer, proxy: Proxy
+) -> None:
+    """A cancel has no reply that echoes it; only session.resumed's
+    client_events tells the client the server took it."""
+    async with await connect(proxy.url(), reconnect=FAST) as tw:
+        response = await tw.create_response(ignore_eos=True, max_output_tokens=1000)
+        proxy.drop_downstream = True
+        await tw.send({"type": "response.cancel", "response_id": response.id})
+        runtime = server.sessions[tw.session_id or ""]
+        await until(lambda: not runtime.session.active_responses, "the cancel taken")
+        proxy.cut()
+        proxy.drop_downstream = False
+        done = await asyncio.wait_for(response.done(), 10)
+        assert done["status"] == "cancelled"
+        assert await tw.ask("next") == "You said: next"
+        # response.create, response.cancel, then ask's item and response: four.
+        assert runtime.session.client_events == 4
+        unattached = [tw.events.get_nowait()["type"] for _ in range(tw.events.qsize())]
+        assert unattached == ["session.created", "session.resumed"]  # no error about a cancel
+        assert tw.reconnects == 1
+
+
+async def test_events_sent_while_reconnecting_wait_and_keep_their_order(
+    server: TokenwireServer, proxy: Proxy
+) -> None:
+    async with await connect(proxy.url(), reconnect=FAST) as tw:
+        proxy.refuse = True
+        proxy.cut()
+        await until(lambda: tw.state == "reconnecting", "the drop noticed")
+        tasks = [await in_background(tw.add_message(f"m{i}")) for i in range(5)]
+        await asyncio.sleep(0.05)
+        assert not any(t.done() for t in tasks)  # held, not lost
+        proxy.refuse = False
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert [i["content"] for i in items(server, tw.session_id)] == [f"m{i}" for i in range(5)]
+
+
+async def test_a_tool_output_crosses_a_drop(server: TokenwireServer, proxy: Proxy) -> None:
+    running = asyncio.Event()
+    release = asyncio.Event()
+
+    async def get_weather(city: str) -> dict[str, str]:
+        running.set()
+        await release.wait()
+        return {"city": city, "sky": "sunny"}
+
+    async with await connect(proxy.url(), reconnect=FAST, tools={"get_weather": get_weather}) as tw:
+        await tw.update_session(tools=[WEATHER], tool_choice="required")
+        await tw.add_message("Weather in Paris?")
+        response = await tw.create_response()
+        await asyncio.wait_for(running.wait(), 10)
+        proxy.cut()  # the handler is still running
+        release.set()
+        done = await asyncio.wait_for(response.done(), 10)
+        assert done["status"] == "completed"
+        assert "sunny" in await response.text()
+        outputs = [i for i in items(server, tw.session_id) if i["type"] == "function_call_output"]
+        assert len(outputs) == 1 and json.loads(outputs[0]["output"])["sky"] == "sunny"
+
+
+async def test_a_refused_resume_fails_what_was_in_flight_and_goes_on_fresh() -> None:
+    server = await start(resume_grace_s=0)  # a dropped session ends at once
+    try:
+        async with Proxy(server.port) as proxy, await connect(proxy.url(), reconnect=FAST) as tw:
+            first = tw.session_id
+            response = await tw.create_response(ignore_eos=True, max_output_tokens=1000)
+            async for _ in response.text_deltas():
+                break
+            proxy.cut()
+            with pytest.raises(TokenwireError) as info:
+                await asyncio.wait_for(response.done(), 10)
+            assert info.value.code == "resume_failed"
+            assert "session_not_found" in str(info.value)
+            assert tw.state == "open" and tw.session_id != first
+            assert await tw.ask("fresh start") == "You said: fresh start"
+    finally:
+        await server.close()
+
+
+async def test_a_final_close_is_not_resumed() -> None:
+    server = await start(idle_timeout_s=0.2)
+    try:
+        async with Proxy(server.port) as proxy:
+            tw = await connect(proxy.url(), reconnect=FAST)
+            await until(lambda: tw.state == "closed", "the idle close")
+            assert tw.ws.close_code == 4000
+            assert proxy.connections == 1 and tw.reconnects == 0
+            with pytest.raises(ConnectionClosed):
+                await tw.add_message("too late")
+            await tw.close()
+    finally:
+        await server.close()
+
+
+async def test_it_gives_up_after_max_attempts(server: TokenwireServer, proxy: Proxy) -> None:
+    policy = Reconnect(max_attempts=3, initial_delay_s=0.01, max_delay_s=0.02)
+    tw = await connect(proxy.url(), reconnect=policy)
+    response = await tw.create_response(ignore_eos=True, max_output_tokens=1000)
+    proxy.refuse = True
+    proxy.cut()
+    with pytest.raises(TokenwireError) as info:
+        await asyncio.wait_for(response.done(), 10)
+    assert info.value.code == "reconnect_failed"
+    assert tw.state == "closed" and tw.reconnects == 0
+    await tw.close()
+
+
+async def test_without_reconnect_a_drop_fails_calls(server: TokenwireServer, proxy: Proxy) -> None:
+    tw = await connect(proxy.url(), reconnect=False)
+    response = await tw.create_response(ignore_eos=True, max_output_tokens=1000)
+    proxy.cut()
+    with pytest.raises(ConnectionClosed):
+        await asyncio.wait_for(response.done(), 10)
+    assert tw.state == "closed" and proxy.connections == 1
+    await tw.close()
+
+
+async def test_an_event_too_big_is_refused_locally(server: TokenwireServer) -> None:
+    async with await connect(f"ws://127.0.0.1:{server.port}/v1/realtime") as tw:
+        limit = tw.session["max_message_bytes"]
+        with pytest.raises(TokenwireError) as info:
+            await tw.add_message("x" * limit)
+        assert info.value.code == "message_too_big"
+        assert tw.state == "open"
+        assert await tw.ask("small") == "You said: small"
