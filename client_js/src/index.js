@@ -371,6 +371,10 @@ export class Session {
     this._sending = false;
     this._closing = false;
     this._resume = null; // {eventId, newSession} while a resume is being confirmed
+    // Frames sent in this session the server may not have taken yet, numbered
+    // as session.resumed's client_events counts them (session.resume excluded).
+    this._sentCount = 0;
+    this._unconfirmed = []; // [{n, eventId, frame}]
     this._attempt = 0;
     this._retryAfterMs = 0;
     this._ready = deferred();
@@ -566,6 +570,7 @@ export class Session {
         }
         this._sendQueue.shift();
         try {
+          this._unconfirmed.push({ n: ++this._sentCount, eventId: entry.event.event_id, frame });
           this.ws.send(frame);
           settle(entry.d, true);
         } catch (err) {
@@ -622,11 +627,10 @@ export class Session {
     ws.onopen = () => {
       this.subprotocol = ws.protocol || SUBPROTOCOL_JSON;
       if (this._resume) {
-        // session.resume must be the first event on the new connection.
+        // session.resume must be the first event on the new connection. The
+        // queue waits for session.resumed: what the server never took goes first.
         ws.send(this._encode(this._resume.event));
-        this.state = "open";
         this._emit("reconnected", { attempt: this._resume.attempt });
-        this._pump();
       }
     };
     ws.onmessage = (msg) => {
@@ -728,7 +732,10 @@ export class Session {
         this._resumeFailed(event);
         return;
       }
-      if (type === "session.resumed") this._resume = null;
+      if (type === "session.resumed") {
+        this._resume = null;
+        this._resendUntaken(event.client_events ?? 0);
+      }
     }
     if (typeof event.seq === "number") {
       if (event.seq <= this.lastSeq) return; // a replayed event we already have
@@ -776,6 +783,7 @@ export class Session {
 
     // Settle the request this event answers.
     const eventId = type === "error" ? event.error?.event_id : event.event_id;
+    if (eventId) this._confirm(eventId);
     const d = eventId ? this._pending.get(eventId) : undefined;
     if (d && !(type === "error" && response && d.response === response && response.id)) {
       if (type === "error") settle(d, false, new TokenwireError(event.error));
@@ -784,6 +792,20 @@ export class Session {
 
     this._emit(type, event);
     this._emit("event", event);
+  }
+
+  /** A reply echoes `eventId`: the server took it and, in order, all before it. */
+  _confirm(eventId) {
+    const i = this._unconfirmed.findIndex((u) => u.eventId === eventId);
+    if (i >= 0) this._unconfirmed.splice(0, i + 1);
+  }
+
+  /** After session.resumed: send again, in order, what the server never took; then the queue. */
+  _resendUntaken(taken) {
+    this._unconfirmed = this._unconfirmed.filter((u) => u.n > taken);
+    for (const u of this._unconfirmed) this.ws.send(u.frame);
+    this.state = "open";
+    this._pump();
   }
 
   _resumeFailed(errorEvent) {
@@ -812,7 +834,11 @@ export class Session {
       this.id = fresh.session.id;
     }
     this.lastSeq = Math.max(this.lastSeq, errorEvent.seq ?? 0);
+    this._sentCount = 0;
+    this._unconfirmed = [];
+    this.state = "open";
     this._emit("resumefailed", { previousSessionId: oldId, sessionId: this.id, error: err });
+    this._pump();
   }
 
   async _runTool(event) {

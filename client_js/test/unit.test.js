@@ -155,9 +155,6 @@ describe("reconnect and resume (client side)", () => {
     assert.equal(sock2.sent[0].type, "session.resume");
     assert.equal(sock2.sent[0].session_id, "sess_a");
     assert.equal(sock2.sent[0].last_seq, 3);
-    await until(() => sock2.sent.length === 2, 2000, "the queued item");
-    const create2 = sock2.sent[1];
-    assert.equal(create2.type, "conversation.item.create");
 
     // What the server does: the new socket first gets its own fresh session
     // (ignored), then the old session's events after last_seq (seq 3 again
@@ -166,8 +163,13 @@ describe("reconnect and resume (client side)", () => {
     sock2.push({ type: "response.output_text.delta", response_id: "resp_1", item_id: "item_1", delta: "Hel", seq: 3 });
     sock2.push({ type: "response.output_text.delta", response_id: "resp_1", item_id: "item_1", delta: "lo", seq: 4 });
     assert.equal(session.id, "sess_a");
-    sock2.push({ type: "session.resumed", session: SESSION, last_seq: 3, replayed: 1, seq: 5 });
+    await new Promise((res) => setTimeout(res, 20));
+    assert.equal(sock2.sent.length, 1); // the queued item waits for session.resumed
+    sock2.push({ type: "session.resumed", session: SESSION, last_seq: 3, replayed: 1, client_events: 1, seq: 5 });
     assert.equal(session._resume, null);
+    await until(() => sock2.sent.length === 2, 2000, "the queued item");
+    const create2 = sock2.sent[1];
+    assert.equal(create2.type, "conversation.item.create"); // the response.create was taken: not resent
     sock2.push({
       type: "conversation.item.created",
       item: { id: "item_2", type: "message", role: "user", content: "while away", status: "completed" },
@@ -193,6 +195,41 @@ describe("reconnect and resume (client side)", () => {
     assert.equal(session.lastSeq, 8);
     assert.equal(session.id, "sess_a");
     assert.equal(session.state, "open");
+    await session.close();
+  });
+
+  test("frames the server never took are sent again first, in order, once", async () => {
+    const { session, sock, fake } = await fakeSession({ reconnect: { random: () => 0 } });
+    const a = session.addMessage("a");
+    const b = session.addMessage("b");
+    const d = session.addMessage("d");
+    await until(() => sock.sent.length === 3, 2000, "a, b and d");
+    sock.drop(1006); // no reply came: did the server take them?
+    const c = session.addMessage("c");
+    const sock2 = await fake.socket(1);
+    sock2.accept();
+    sock2.push({ type: "session.created", session: { ...SESSION, id: "sess_fresh" }, seq: 1 });
+    const item = (content, eventId, seq) => ({
+      type: "conversation.item.created",
+      item: { id: `item_${content}`, type: "message", role: "user", content, status: "completed" },
+      event_id: eventId,
+      seq,
+    });
+    // It took "a" (its reply is replayed) and "b" (its reply was never
+    // written: it comes after session.resumed), not "d".
+    sock2.push(item("a", sock.sent[0].event_id, 2));
+    sock2.push({ type: "session.resumed", session: SESSION, last_seq: 1, replayed: 1, client_events: 2, seq: 3 });
+    await until(() => sock2.sent.length === 3, 2000, "d again, then c");
+    assert.deepEqual(
+      sock2.sent.map((e) => [e.type, e.item?.content]),
+      [["session.resume", undefined], ["conversation.item.create", "d"], ["conversation.item.create", "c"]],
+    );
+    assert.equal(sock2.sent[1].event_id, sock.sent[2].event_id); // the same frame
+    sock2.push(item("b", sock.sent[1].event_id, 4));
+    sock2.push(item("d", sock2.sent[1].event_id, 5));
+    sock2.push(item("c", sock2.sent[2].event_id, 6));
+    const ids = await Promise.all([a, b, d, c].map(async (p) => (await p).id));
+    assert.deepEqual(ids, ["item_a", "item_b", "item_d", "item_c"]);
     await session.close();
   });
 
