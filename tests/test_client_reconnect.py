@@ -81,6 +81,11 @@ async def until(check: Callable[[], bool], what: str, timeout: float = 10) -> No
         raise AssertionError(f"not seen within {timeout} s: {what}") from None
 
 
+def drain(tw: Any) -> list[dict[str, Any]]:
+    """The events that belonged to no call or response, so far."""
+    return [tw.events.get_nowait() for _ in range(tw.events.qsize())]
+
+
 async def in_background(call: Awaitable[Any]) -> asyncio.Task[Any]:
     task = asyncio.ensure_future(call)
     await asyncio.sleep(0)
@@ -90,17 +95,26 @@ async def in_background(call: Awaitable[Any]) -> asyncio.Task[Any]:
 async def test_a_cut_mid_response_loses_nothing(server: TokenwireServer, proxy: Proxy) -> None:
     async with await connect(proxy.url(), reconnect=FAST) as tw:
         session_id = tw.session_id
+        runtime = server.sessions[session_id or ""]
         response = await tw.create_response(ignore_eos=True, max_output_tokens=80)
         deltas: list[str] = []
         async for delta in response.text_deltas():
             deltas.append(delta)
             if len(deltas) == 5:
+                # What the server writes now is lost with the socket.
+                proxy.drop_downstream = True
+                seen = tw.last_seq
+                await until(lambda s=seen: runtime._logged_seq > s + 5, "more tokens sent")
                 proxy.cut()
+                proxy.drop_downstream = False
         done = await response.done()
         assert done["status"] == "completed"
         # Every token once, in order: the replay filled the gap, with no repeat.
         assert "".join(deltas) == expected(80)
-        assert tw.reconnects == 1 and proxy.connections == 2
+        await until(lambda: tw.reconnects == 1, "the resume counted")
+        resumed = [e for e in drain(tw) if e["type"] == "session.resumed"]
+        assert len(resumed) == 1 and resumed[0]["replayed"] >= 5
+        assert proxy.connections == 2
         assert tw.session_id == session_id and tw.state == "open"
         assert await tw.ask("still here?") == "You said: still here?"
 
@@ -154,24 +168,62 @@ async def test_an_event_with_no_reply_the_server_took_is_not_sent_again(
         assert await tw.ask("next") == "You said: next"
         # response.create, response.cancel, then ask's item and response: four.
         assert runtime.session.client_events == 4
-        unattached = [tw.events.get_nowait()["type"] for _ in range(tw.events.qsize())]
+        unattached = [e["type"] for e in drain(tw)]
         assert unattached == ["session.created", "session.resumed"]  # no error about a cancel
         assert tw.reconnects == 1
 
 
-async def test_events_sent_while_reconnecting_wait_and_keep_their_order(
+async def test_events_sent_while_reconnecting_wait_behind_the_resent_ones(
+    server: TokenwireServer, proxy: Proxy
+) -> None:
+    patient = Reconnect(max_attempts=1000, initial_delay_s=0.01, max_delay_s=0.02)
+    async with await connect(proxy.url(), reconnect=patient) as tw:
+        proxy.drop_upstream = True
+        lost = await in_background(tw.add_message("lost"))
+        await until(lambda: proxy.dropped > 0, "the frame swallowed")
+        proxy.refuse = True
+        proxy.cut()
+        proxy.drop_upstream = False
+        await until(lambda: tw.state == "reconnecting", "the drop noticed")
+        queued = [await in_background(tw.add_message(f"m{i}")) for i in range(5)]
+        await until(lambda: proxy.connections == 1 and tw.state == "reconnecting", "refusals")
+        assert not any(t.done() for t in [lost, *queued])  # held, not failed
+        proxy.refuse = False
+        await asyncio.wait_for(asyncio.gather(lost, *queued), 10)
+        contents = [i["content"] for i in items(server, tw.session_id)]
+        assert contents == ["lost", *(f"m{i}" for i in range(5))]
+
+
+async def test_a_response_that_ended_during_the_drop_is_still_handed_out(
     server: TokenwireServer, proxy: Proxy
 ) -> None:
     async with await connect(proxy.url(), reconnect=FAST) as tw:
-        proxy.refuse = True
+        runtime = server.sessions[tw.session_id or ""]
+        proxy.drop_downstream = True  # response.created and all the rest are lost
+        task = await in_background(tw.create_response(ignore_eos=True, max_output_tokens=3))
+        await until(lambda: bool(runtime.session._finished), "the response done")
         proxy.cut()
-        await until(lambda: tw.state == "reconnecting", "the drop noticed")
-        tasks = [await in_background(tw.add_message(f"m{i}")) for i in range(5)]
-        await asyncio.sleep(0.05)
-        assert not any(t.done() for t in tasks)  # held, not lost
-        proxy.refuse = False
-        await asyncio.wait_for(asyncio.gather(*tasks), 10)
-        assert [i["content"] for i in items(server, tw.session_id)] == [f"m{i}" for i in range(5)]
+        proxy.drop_downstream = False
+        response = await asyncio.wait_for(task, 10)
+        assert (await response.done())["status"] == "completed"
+        assert await response.text() == expected(3)
+
+
+async def test_close_while_reconnecting_fails_calls_at_once(
+    server: TokenwireServer, proxy: Proxy
+) -> None:
+    patient = Reconnect(max_attempts=1000, initial_delay_s=0.01, max_delay_s=0.02)
+    tw = await connect(proxy.url(), reconnect=patient)
+    response = await tw.create_response(ignore_eos=True, max_output_tokens=1000)
+    proxy.refuse = True
+    proxy.cut()
+    await until(lambda: tw.state == "reconnecting", "the drop noticed")
+    waiting = await in_background(tw.add_message("never"))
+    await asyncio.wait_for(tw.close(), 5)
+    assert tw.state == "closed"
+    for call in (response.done(), waiting):
+        with pytest.raises(ConnectionError, match="the client closed"):
+            await asyncio.wait_for(call, 5)
 
 
 async def test_a_tool_output_crosses_a_drop(server: TokenwireServer, proxy: Proxy) -> None:
@@ -188,13 +240,17 @@ async def test_a_tool_output_crosses_a_drop(server: TokenwireServer, proxy: Prox
         await tw.add_message("Weather in Paris?")
         response = await tw.create_response()
         await asyncio.wait_for(running.wait(), 10)
-        proxy.cut()  # the handler is still running
-        release.set()
+        proxy.drop_upstream = True
+        release.set()  # the output is written, and lost with the socket
+        await until(lambda: proxy.dropped > 0, "the output swallowed")
+        proxy.cut()
+        proxy.drop_upstream = False
         done = await asyncio.wait_for(response.done(), 10)
         assert done["status"] == "completed"
         assert "sunny" in await response.text()
         outputs = [i for i in items(server, tw.session_id) if i["type"] == "function_call_output"]
         assert len(outputs) == 1 and json.loads(outputs[0]["output"])["sky"] == "sunny"
+        assert tw.reconnects == 1
 
 
 async def test_a_refused_resume_fails_what_was_in_flight_and_goes_on_fresh() -> None:
@@ -205,10 +261,16 @@ async def test_a_refused_resume_fails_what_was_in_flight_and_goes_on_fresh() -> 
             response = await tw.create_response(ignore_eos=True, max_output_tokens=1000)
             async for _ in response.text_deltas():
                 break
+            proxy.refuse = True
             proxy.cut()
+            await until(lambda: tw.state == "reconnecting", "the drop noticed")
+            waiting = await in_background(tw.add_message("for the old session"))
+            proxy.refuse = False
             with pytest.raises(TokenwireError) as info:
                 await asyncio.wait_for(response.done(), 10)
             assert info.value.code == "resume_failed"
+            with pytest.raises(TokenwireError, match="resume_failed"):
+                await asyncio.wait_for(waiting, 10)
             assert "session_not_found" in str(info.value)
             assert tw.state == "open" and tw.session_id != first
             assert await tw.ask("fresh start") == "You said: fresh start"

@@ -79,6 +79,19 @@ class Reader:
         return [e for e in self.events if e["type"] == kind]
 
 
+async def until_done_across_moves(reader: Reader, url: str, sid: str) -> dict:
+    """Reads to `response.done`. A follower whose owner died closes with 1012
+    (frames it forwarded may be lost); the client resumes again, as ours do,
+    and that resume takes the session over."""
+    while True:
+        try:
+            return await reader.until("response.done")
+        except ConnectionClosed as exc:
+            assert exc.rcvd is not None and exc.rcvd.code == 1012, exc
+            assert exc.rcvd.reason == "session moved"
+            reader.wire, _ = await resume(url, sid, reader.last_seq)
+
+
 def keys_of(redis_server: RedisServer, sid: str) -> list[bytes]:
     client = redis.Redis.from_url(redis_server.url)
     try:
@@ -271,20 +284,25 @@ async def test_kill_9_takeover(redis_server: RedisServer) -> None:
         reader = Reader(wire, 1)
         while reader.last_seq < 15:
             await reader.next()
+        # A frame answered only by an error: no snapshot follows it.
+        await wire.send({"type": "response.cancel", "response_id": "nope", "event_id": "bad"})
+        assert (await reader.until("error"))["error"]["event_id"] == "bad"
         a.proc.kill()  # SIGKILL: no drain, no goodbye
         a.proc.wait()
-        # B first follows (the lease still looks alive), then takes over.
+        # B first follows (the lease still looks alive), then closes with
+        # 1012 once it lapsed; the next resume takes the session over.
         wire, _ = await resume(b.url, sid, reader.last_seq, protocol="msgpack")
         reader.wire = wire
-        done = await reader.until("response.done")
+        done = await until_done_across_moves(reader, b.url, sid)
         assert done["response"]["status"] == "completed"
         assert reader.text == expected(n)  # one complete answer
         assert len(reader.of("response.created")) == 1  # the same response, continued
-        # The count came with the snapshot: the response.create was taken.
-        assert [r["client_events"] for r in reader.of("session.resumed")][-1:] == [1]
+        # The count came with the log, not only the snapshot: the
+        # response.create and the bad cancel were taken.
+        assert [r["client_events"] for r in reader.of("session.resumed")][-1:] == [2]
         with urllib.request.urlopen(b.http + "/metrics", timeout=5) as r:
             assert "tokenwire_session_takeovers_total 1.0" in r.read().decode()
-        await wire.ws.close()
+        await reader.wire.ws.close()
 
 
 async def test_grace_period_ends_the_session_and_its_log(redis_server: RedisServer) -> None:
@@ -325,6 +343,43 @@ async def test_draining_a_follower_instance_keeps_the_session(redis_server: Redi
         assert reader.text == expected(n)
 
 
+async def test_a_follower_the_client_left_cannot_detach_it(redis_server: RedisServer) -> None:
+    """The client follows on B, B's socket goes silent (half-open), the client
+    resumes on C. B notices only at its keepalive timeout, long after, and
+    tells the owner A it lost the client: A must not listen to B any more."""
+    name = "stale"
+    with instances(redis_server, "--ping-interval-s", "0.5", n=3, rate=50, name=name) as (
+        a,
+        b,
+        c,
+    ):
+        wire, sid = await start_stream(a.url, 30)
+        reader = Reader(wire, 1)
+        while reader.last_seq < 5:
+            await reader.next()
+        wire.ws.transport.abort()
+        async with Proxy(b.port) as path:
+            reader.wire, _ = await resume(path.url(), sid, reader.last_seq)
+            while reader.last_seq < 10:
+                await reader.next()
+            path.drop_upstream = path.drop_downstream = True  # B hears nothing more
+            reader.wire, _ = await resume(c.url, sid, reader.last_seq)
+            await reader.until("response.done")
+            b_log = ARTIFACTS / f"{name}-b.log"
+            assert await wait_until(lambda: '"unfollowing"' in b_log.read_text())
+        await asyncio.sleep(0.5)  # B's detach reaches A through its inbox
+        await reader.wire.send(
+            {
+                "type": "conversation.item.create",
+                "event_id": "after",
+                "item": {"type": "message", "role": "user", "content": "still there?"},
+            }
+        )
+        created = await asyncio.wait_for(reader.until("conversation.item.created"), 10)
+        assert created["event_id"] == "after"
+        await reader.wire.ws.close()
+
+
 async def test_a_stalled_owner_is_fenced_after_a_takeover(redis_server: RedisServer) -> None:
     n = 200
     with instances(redis_server, rate=50, name="fence") as (a, b):
@@ -337,7 +392,11 @@ async def test_a_stalled_owner_is_fenced_after_a_takeover(redis_server: RedisSer
         try:
             reader.wire, _ = await resume(b.url, sid, reader.last_seq)
             while reader.last_seq < 20:  # B took over and generates
-                await reader.next()
+                try:
+                    await reader.next()
+                except ConnectionClosed as exc:  # B followed until A's lease lapsed
+                    assert exc.rcvd is not None and exc.rcvd.code == 1012
+                    reader.wire, _ = await resume(b.url, sid, reader.last_seq)
         finally:
             a.proc.send_signal(signal.SIGCONT)
         # A wakes up, fails its next write to the log and lets the session go.

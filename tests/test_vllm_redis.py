@@ -13,7 +13,7 @@ import pytest
 from tokenwire.client import connect
 
 from .conftest import ARTIFACTS, RedisServer, VllmServer, spawn_server
-from .test_redis import Reader
+from .test_redis import Reader, until_done_across_moves
 from .test_resume import Wire, resume
 
 pytestmark = pytest.mark.vllm
@@ -62,9 +62,10 @@ async def test_kill_9_takeover_keeps_greedy_text(
         for child in family:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
-    # vllm_server shares the Redis: it follows, sees the lease lapse, takes over.
+    # vllm_server shares the Redis: it follows until the lease lapses, closes
+    # with 1012, and the next resume takes the session over.
     reader.wire, _ = await resume(vllm_server.url, sid, reader.last_seq)
-    done = await reader.until("response.done")
+    done = await until_done_across_moves(reader, vllm_server.url, sid)
     assert done["response"]["usage"]["output_tokens"] == TOKENS
     assert reader.text == expected
     assert len(reader.of("response.created")) == 1  # one response, continued

@@ -181,6 +181,9 @@ class Client:
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._responses: dict[str, Response] = {}
+        # response.create event_id -> its Response, until create_response takes
+        # it (the response may be done, and gone from _responses, by then).
+        self._created: dict[str, Response] = {}
         # Events that belong to no response and answer no request.
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.last_seq = 0
@@ -220,12 +223,14 @@ class Client:
     async def close(self) -> None:
         """Close for good (no reconnect)."""
         self._closing = True
-        if self.state == "reconnecting":
-            self._reader.cancel()
-        await self.ws.close()
+        self._finish(ConnectionError("the client closed the connection"))
+        self._reader.cancel()  # reconnecting, or reading: either way done
+        if self.ws.transport.is_closing():
+            self.ws.transport.abort()
+        else:
+            await self.ws.close()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
-        self._finish(ConnectionError("the client closed the connection"))
 
     # -- sending -------------------------------------------------------------
 
@@ -248,6 +253,8 @@ class Client:
             return await future
         finally:
             self._pending.pop(event_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # failed with the send: retrieved here
 
     async def _send(self, event: dict[str, Any]) -> None:
         frame = self.codec.encode(event)
@@ -300,7 +307,7 @@ class Client:
 
     async def create_response(self, **params: Any) -> Response:
         reply = await self.request({"type": "response.create", "response": params})
-        return self._responses[reply["response"]["id"]]
+        return self._created.pop(reply["event_id"])
 
     async def truncate(self, item_id: str, text_end: int) -> dict[str, Any]:
         return await self.request(
@@ -318,11 +325,17 @@ class Client:
         error: BaseException = ConnectionError("connection closed")
         try:
             while True:
+                error = ConnectionError("connection closed")
                 try:
                     async for frame in self.ws:
                         self._dispatch(decode_frame(frame))
                 except ConnectionClosed as exc:
                     error = exc
+                except Exception as exc:  # a frame we cannot read: the connection is useless
+                    log.error("tokenwire: closing on a bad server frame: %r", exc)
+                    self.ws.transport.abort()
+                    error = exc
+                    break
                 code = self.ws.close_code
                 if (
                     self._closing
@@ -375,7 +388,9 @@ class Client:
             try:
                 async with asyncio.timeout(self.reconnect.attempt_timeout_s):
                     ws = await ws_connect(self._url, **self._ws_options)
-                    await self._resume_on(ws)
+                    taken = await self._resume_on(ws)
+                # Past the timeout: a long backlog may take its time.
+                await self._resend(taken)
             except _ResumeRefused as refused:
                 self._resume_failed(refused)
                 break
@@ -383,6 +398,7 @@ class Client:
                 if exc.response.status_code in _FINAL_HTTP_STATUSES:
                     log.error("tokenwire: reconnect refused: %s", exc)
                     return False
+                log.warning("tokenwire: reconnect attempt %d refused: %s", attempt + 1, exc)
                 continue
             except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
                 log.warning("tokenwire: reconnect attempt %d failed: %s", attempt + 1, exc)
@@ -396,9 +412,9 @@ class Client:
         self._open.set()
         return True
 
-    async def _resume_on(self, ws: ClientConnection) -> None:
-        """Resume on a new socket: take the replay, then send again what the
-        server never took."""
+    async def _resume_on(self, ws: ClientConnection) -> int:
+        """Resume on a new socket and take the replay; returns how many
+        frames the server took (session.resumed's client_events)."""
         try:
             fresh = decode_frame(await ws.recv())  # the new socket's own session
             resume_id = f"evt_{next(self._ids)}"
@@ -415,20 +431,22 @@ class Client:
             while True:
                 event = decode_frame(await ws.recv())
                 if event["type"] == "error" and event["error"].get("event_id") == resume_id:
-                    self.ws = ws
+                    self.ws = ws  # the client goes on in the fresh session
                     raise _ResumeRefused(event, fresh)
                 self._dispatch(event)
                 if event["type"] == "session.resumed":
-                    break
+                    self.ws = ws
+                    return int(event.get("client_events", 0))
         except BaseException:
             if self.ws is not ws:
-                await ws.close()
+                ws.transport.abort()  # no close handshake with a socket that failed us
             raise
-        self.ws = ws
-        taken = event.get("client_events", 0)
+
+    async def _resend(self, taken: int) -> None:
+        """Send again, in order, the frames the server never took."""
         self._unconfirmed = [u for u in self._unconfirmed if u[0] > taken]
-        for _, _, frame in self._unconfirmed:
-            await ws.send(frame)
+        for _, _, frame in list(self._unconfirmed):
+            await self.ws.send(frame)
 
     def _resume_failed(self, refused: _ResumeRefused) -> None:
         """The old session is gone: what was in flight fails, and the client
@@ -469,6 +487,8 @@ class Client:
         elif kind == "response.created":
             response = Response(self, event)
             self._responses[response.id] = response
+            if event.get("event_id") in self._pending:
+                self._created[event["event_id"]] = response
         response_id = event.get("response_id") or (
             event["response"]["id"] if kind in ("response.created", _TERMINAL) else None
         )
@@ -498,11 +518,14 @@ class Client:
     async def _run_tool(self, event: dict[str, Any]) -> None:
         """Run a tool handler and send its result (or its error) back as the output."""
         handler = self.tool_handlers[event["name"]]
+        epoch = self._epoch
         try:
             result = await handler(**json.loads(event["arguments"] or "{}"))
             output = result if isinstance(result, str) else json.dumps(result)
         except Exception as exc:
             output = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+        if epoch != self._epoch:
+            return  # the session that called it is gone (a refused resume)
         with contextlib.suppress(TokenwireError, ConnectionClosed, ConnectionError):
             await self.create_item(
                 {"type": "function_call_output", "call_id": event["call_id"], "output": output}

@@ -5,8 +5,10 @@ served by a `Follower`: it replays the log after `last_seq`, then follows the
 tail the owner keeps writing, and forwards the client's frames to the owner's
 inbox. The owner's events (errors included) all come back through the log,
 so `seq` stays the owner's and nothing is sent twice. When the owner's lease
-is gone (crash, or drain) the follower takes the session over itself and the
-socket goes on with no gap.
+is gone (crash, or drain) the follower closes the socket with 1012: frames it
+forwarded may have died with the owner, and only a fresh resume tells the
+client exactly which ones to send again (`client_events`). That resume, here
+or anywhere, takes the session over.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+import uuid
 from typing import TYPE_CHECKING
 
 from websockets.asyncio.server import ServerConnection
@@ -22,10 +24,10 @@ from websockets.exceptions import ConnectionClosed
 
 from .logs import get_logger
 from .protocol import CLOSE_SERVICE_RESTART, Codec, ErrorCode, error_event
-from .redisstore import Meta, RedisStore, unpack
+from .redisstore import RedisStore, unpack
 
 if TYPE_CHECKING:
-    from .transport import Connection, Outcome
+    from .transport import Outcome
 
 log = get_logger("tokenwire.follow")
 
@@ -36,24 +38,23 @@ class Follower:
         store: RedisStore,
         session_id: str,
         owner: str,
-        take_over: Callable[[str, Meta], Awaitable[Connection | None]],
         ping_s: float,
     ) -> None:
         self.store = store
         self.session_id = session_id
         self.owner = owner
-        self._take_over = take_over
+        # Tags what this follower forwards: the owner ignores a follower the
+        # client has left (its late frames or detach would land in the session).
+        self.id = uuid.uuid4().hex[:12]
         self._ping_s = ping_s
-        self.log = log.bind(session_id=session_id, owner=owner)
+        self.log = log.bind(session_id=session_id, owner=owner, follower=self.id)
         self._ws: ServerConnection | None = None
 
     async def serve(self, ws: ServerConnection, resume_from: int | None = None) -> Outcome:
-        from .transport import Handoff
-
         self._ws = ws
         codec = Codec(ws.subprotocol)
         sent = resume_from or 0
-        await self.store.forward(self.owner, self.session_id, "attach", {"last_seq": sent})
+        await self._forward("attach", {"last_seq": sent})
         reader = asyncio.create_task(self._forward_frames(ws))
         self.log.info("following", last_seq=sent)
         last_ping = time.monotonic()
@@ -72,7 +73,7 @@ class Follower:
                     sent = entry.seq
                 if time.monotonic() - last_ping >= self._ping_s:
                     last_ping = time.monotonic()
-                    await self.store.forward(self.owner, self.session_id, "ping")
+                    await self._forward("ping")
                 if entries:
                     continue
                 meta = await self.store.meta(self.session_id)
@@ -80,17 +81,13 @@ class Follower:
                     await ws.close(1011, "the session ended")
                     return "ended"
                 if not await self.store.alive(meta.owner):
-                    runtime = await self._take_over(self.session_id, meta)
-                    if runtime is not None:
-                        reader.cancel()
-                        return Handoff(runtime, sent)
-                    meta = await self.store.meta(self.session_id) or meta  # another won
+                    reader.cancel()
+                    await ws.close(CLOSE_SERVICE_RESTART, "session moved")
+                    return "ended"
                 if meta.owner != self.owner:
                     # The session moved to a live instance: follow that one.
                     self.owner = meta.owner
-                    await self.store.forward(
-                        self.owner, self.session_id, "attach", {"last_seq": sent}
-                    )
+                    await self._forward("attach", {"last_seq": sent})
             return "ended" if reader.result() else "lost"
         except ConnectionClosed:
             return "lost"
@@ -101,21 +98,22 @@ class Follower:
                 await reader
             # A clean close ends the session, as it would on the owner.
             with contextlib.suppress(Exception):
-                await self.store.forward(
-                    self.owner, self.session_id, "close" if clean else "detach"
-                )
+                await self._forward("close" if clean else "detach")
             self.log.info("unfollowing", last_seq=sent, clean=clean)
 
     async def _forward_frames(self, ws: ServerConnection) -> bool:
         """Client frames to the owner; True once the client closed cleanly."""
         with contextlib.suppress(ConnectionClosed):
             async for frame in ws:
-                await self.store.forward(self.owner, self.session_id, "frame", frame)
+                await self._forward("frame", frame)
         # Only a close the client started counts: our own 1012 is echoed back.
         rcvd = ws.protocol.close_rcvd
         return bool(
             rcvd is not None and rcvd.code in (1000, 1001) and ws.protocol.close_rcvd_then_sent
         )
+
+    async def _forward(self, op: str, data: object = None) -> None:
+        await self.store.forward(self.owner, self.session_id, op, data, follower=self.id)
 
     async def close(self) -> None:
         """This instance drains: the client resumes elsewhere (no going_away:

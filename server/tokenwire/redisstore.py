@@ -5,7 +5,9 @@ Per session:
   before the events reach the socket (so a client never holds an event the
   log lacks). XADD with approximate MAXLEN; a TTL refreshed on every write.
   An entry's `e` is the event (msgpack); the last entry of a batch may carry
-  `p`, the generations' progress (output tokens, token ids) the events omit.
+  `p`, the generations' progress (output tokens, token ids) the events omit,
+  and carries `c`, the client frames the session had taken (for a resume's
+  `client_events` after a takeover).
 - `tw:{sid}:state`, the session snapshot at seq `n`, rewritten whenever the
   conversation's structure changes; text after it is in the log's deltas.
 - `tw:{sid}:meta`, a hash: the owning instance and the API key id.
@@ -64,6 +66,7 @@ class Entry:
     seq: int
     event: bytes  # msgpack
     progress: dict[str, list[Any]] | None
+    client_events: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +116,9 @@ class RedisStore:
 
     # -- instance lifecycle -----------------------------------------------------
 
-    async def start(self, on_forward: Callable[[str, str, Any], Awaitable[None] | None]) -> None:
+    async def start(
+        self, on_forward: Callable[[str, str, Any, str], Awaitable[None] | None]
+    ) -> None:
         """Take the lease (fails fast if Redis is unreachable), then keep it
         and read the inbox in the background."""
         await self.redis.set(self._lease(self.instance_id), b"1", px=self.lease_ms)
@@ -131,7 +136,7 @@ class RedisStore:
             except redis.RedisError as exc:
                 log.warning("lease_renew_failed", error=str(exc))
 
-    async def _read_inbox(self, on_forward: Callable[[str, str, Any], Any]) -> None:
+    async def _read_inbox(self, on_forward: Callable[[str, str, Any, str], Any]) -> None:
         key = self._inbox(self.instance_id)
         last = b"$"
         while True:
@@ -147,7 +152,8 @@ class RedisStore:
                     try:
                         sid, op = fields[b"s"].decode(), fields[b"o"].decode()
                         data = unpack(fields[b"d"]) if b"d" in fields else None
-                        result = on_forward(sid, op, data)
+                        follower = fields.get(b"f", b"").decode()
+                        result = on_forward(sid, op, data, follower)
                         if asyncio.iscoroutine(result):
                             await result
                     except Exception:
@@ -195,6 +201,7 @@ class RedisStore:
         entries: list[tuple[int, bytes]],
         progress: dict[str, list[Any]] | None,
         snapshot: tuple[int, dict[str, Any]] | None,
+        client_events: int | None = None,
     ) -> None:
         """Log a batch (atomically, with the snapshot it goes with)."""
         key = self._log(sid)
@@ -204,6 +211,8 @@ class RedisStore:
             fields: dict[str, bytes] = {"e": event}
             if i == last and progress:
                 fields["p"] = pack(progress)
+            if i == last and client_events is not None:
+                fields["c"] = str(client_events).encode()
             pipe.xadd(key, fields, id=f"0-{seq}", maxlen=self.maxlen, approximate=True)
         if snapshot is not None:
             pipe.set(self._state(sid), pack({"seq": snapshot[0], "session": snapshot[1]}))
@@ -247,8 +256,10 @@ class RedisStore:
             after = batch[-1].seq
         return state, entries
 
-    async def forward(self, owner: str, sid: str, op: str, data: Any = None) -> None:
-        fields = {"s": sid, "o": op}
+    async def forward(
+        self, owner: str, sid: str, op: str, data: Any = None, *, follower: str = ""
+    ) -> None:
+        fields = {"s": sid, "o": op, "f": follower}
         if data is not None:
             fields["d"] = pack(data)
         pipe = self.redis.pipeline(transaction=False)
@@ -264,7 +275,8 @@ class RedisStore:
 
 def _entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
     progress = unpack(fields[b"p"]) if b"p" in fields else None
-    return Entry(_seq(entry_id), fields[b"e"], progress)
+    client_events = int(fields[b"c"]) if b"c" in fields else None
+    return Entry(_seq(entry_id), fields[b"e"], progress, client_events)
 
 
 def _redact(url: str) -> str:

@@ -329,7 +329,7 @@ class TokenwireServer:
         if bounds is not None and (problem := resume_problem(event.last_seq, *bounds)):
             raise _not_possible(event, problem)
         if meta.owner != self.store.instance_id and await self.store.alive(meta.owner):
-            return Follower(self.store, sid, meta.owner, self.take_over, self.config.lease_s / 2)
+            return Follower(self.store, sid, meta.owner, self.config.lease_s / 2)
         taken = await self.take_over(sid, meta)
         if taken is None:
             raise _not_found(event)
@@ -354,14 +354,16 @@ class TokenwireServer:
         self._arm_expiry(runtime)
         return runtime
 
-    async def _on_forward(self, sid: str, op: str, data: Any) -> None:
+    async def _on_forward(self, sid: str, op: str, data: Any, follower: str) -> None:
         runtime = self.sessions.get(sid)
         if runtime is None or runtime.state in ("ended", "handed_over"):
             return
+        if op != "attach" and follower != runtime.follower:
+            return  # from a follower the client has left
         if op == "close":
             await self._end_session(runtime)
             return
-        runtime.receive_forwarded(op, data)
+        runtime.receive_forwarded(op, data, follower)
         if runtime.state in ("remote", "detached"):
             self._arm_expiry(runtime)  # the follower is alive: the grace period starts over
 

@@ -157,6 +157,8 @@ class Connection:
                 self.session.replay_delta(unpack(entry.event))
                 if entry.progress:
                     self.session.restore_progress(entry.progress)
+                if entry.client_events is not None:
+                    self.session.client_events = entry.client_events
                 self._logged_seq = entry.seq
         self.outbox = Outbox(first_seq=self._logged_seq + 1)
         # Events written to sockets, for replay on resume (without Redis).
@@ -178,6 +180,8 @@ class Connection:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._closer: asyncio.Task[None] | None = None
         self._resuming: asyncio.Task[None] | None = None
+        # The follower serving this session's client from another instance.
+        self.follower: str | None = None
         # "new" | "attached" | "detached" | "remote" (followed from another
         # instance) | "ended" | "handed_over" (another instance continues it)
         self.state = "new" if restored is None else "detached"
@@ -254,6 +258,7 @@ class Connection:
 
     def _attach(self, ws: ServerConnection) -> None:
         self.ws = ws
+        self.follower = None  # the client is here now: a follower's late ops are stale
         self.codec = Codec(ws.subprotocol)
         self.session.update_info(subprotocol=self.codec.subprotocol)
         self.state = "attached"
@@ -398,10 +403,11 @@ class Connection:
 
     # -- another instance follows this session, or takes it over ---------------
 
-    def receive_forwarded(self, op: str, data: Any) -> None:
-        """An op from an instance whose client follows this session."""
+    def receive_forwarded(self, op: str, data: Any, follower: str) -> None:
+        """An op from the instance whose client follows this session."""
         if op == "attach":
             old_socket = self.state == "attached" and self.ws is not None and self.ws.transport
+            self.follower = follower
             self.state = "remote"
             self._first_frame = False  # the follower's socket resumed already
             if old_socket:
@@ -409,6 +415,8 @@ class Connection:
                 self.ws.transport.abort()  # the client has moved on from that socket
                 # Frames that socket already received are still taken; count
                 # them in session.resumed's client_events, so none is resent.
+                if self._resuming is not None:
+                    self._resuming.cancel()
                 self._resuming = asyncio.get_running_loop().create_task(
                     self._resumed_after_detach(data["last_seq"])
                 )
@@ -761,10 +769,11 @@ class Connection:
         if any(e["type"] not in _NO_SNAPSHOT for e in events):
             snapshot = (events[-1]["seq"], self.session.snapshot())
         progress = self.session.progress()
+        taken = self.session.client_events
         delay = 0.1
         while True:
             try:
-                await self.store.append(self.session.id, packed, progress, snapshot)
+                await self.store.append(self.session.id, packed, progress, snapshot, taken)
                 break
             except RedisError as exc:
                 # Nothing goes out unlogged; generation pauses at the hard cap meanwhile.
