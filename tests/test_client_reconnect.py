@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from .test_resume import expected
 FAST = Reconnect(initial_delay_s=0.01, max_delay_s=0.05, attempt_timeout_s=5)
 
 
-async def start(**overrides: Any) -> TokenwireServer:
+async def start(context: int = 4096, **overrides: Any) -> TokenwireServer:
     config = ServerConfig(
         **{
             "engine": "scripted",
@@ -38,14 +39,20 @@ async def start(**overrides: Any) -> TokenwireServer:
             **overrides,
         }
     )
-    server = TokenwireServer(config, ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s))
+    engine = ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s, max_context_tokens=context)
+    server = TokenwireServer(config, engine)
     await server.start()
     return server
 
 
 @pytest.fixture
-async def server() -> AsyncIterator[TokenwireServer]:
-    server = await start()
+def server_options() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
+async def server(server_options: dict[str, Any]) -> AsyncIterator[TokenwireServer]:
+    server = await start(**server_options)
     yield server
     await server.close()
 
@@ -313,3 +320,64 @@ async def test_an_event_too_big_is_refused_locally(server: TokenwireServer) -> N
         assert info.value.code == "message_too_big"
         assert tw.state == "open"
         assert await tw.ask("small") == "You said: small"
+
+
+@pytest.mark.parametrize("server_options", [{"context": 1_000_000}])
+async def test_a_hundred_random_cuts_lose_and_repeat_nothing(
+    server: TokenwireServer, proxy: Proxy
+) -> None:
+    """Messages and responses go on while the network is cut a hundred times
+    at random moments, often with one direction swallowed first: every
+    message lands once, in order, and every response comes out whole."""
+    rng = random.Random(20261122)
+    patient = Reconnect(max_attempts=1000, initial_delay_s=0.005, max_delay_s=0.02)
+    cuts = 0
+
+    async def chaos() -> None:
+        nonlocal cuts
+        while cuts < 100:
+            await asyncio.sleep(rng.uniform(0.005, 0.04))
+            mode = rng.random()
+            proxy.drop_upstream = mode < 0.3
+            proxy.drop_downstream = 0.3 <= mode < 0.6
+            await asyncio.sleep(rng.uniform(0, 0.01))
+            proxy.cut()
+            proxy.drop_upstream = proxy.drop_downstream = False
+            cuts += 1
+
+    async with await connect(proxy.url(), reconnect=patient) as tw:
+        session_id = tw.session_id
+        chaos_task = asyncio.create_task(chaos())
+        sent: list[str] = []
+        i = 0
+        cancelled = 0
+        while not chaos_task.done() or i < 20:
+            # Three at once: pipelined frames, not one reply at a time.
+            burst = [f"m{i}", f"m{i + 1}", f"m{i + 2}"]
+            sent += burst
+            await asyncio.wait_for(asyncio.gather(*(tw.add_message(m) for m in burst)), 30)
+            if i % 5 == 0:
+                response = await asyncio.wait_for(
+                    tw.create_response(ignore_eos=True, max_output_tokens=20), 30
+                )
+                text, stopped = "", False
+                async for delta in response.text_deltas():
+                    text += delta
+                    if rng.random() < 0.1:
+                        await response.cancel()  # a frame nothing echoes
+                        stopped = True
+                        break
+                done = await asyncio.wait_for(response.done(), 30)
+                whole = await response.text()
+                if done["status"] == "cancelled":
+                    cancelled += 1
+                    assert stopped and expected(20).startswith(whole)
+                else:  # it may have ended before the cancel came
+                    assert whole == expected(20) and (stopped or text == whole)
+            i += 3
+        await chaos_task
+        assert tw.session_id == session_id and tw.reconnects >= 50 and cancelled > 0
+        users = [it["content"] for it in items(server, session_id) if it.get("role") == "user"]
+        assert users == sent  # each once, in order
+        # Every frame the client sent was taken exactly once, echoed or not.
+        assert server.sessions[session_id or ""].session.client_events == tw._sent_count
