@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import subprocess
 import time
@@ -20,6 +21,33 @@ TABLE_COLUMNS = "tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p
 
 # One request: (prompt number, start event) -> {"sent", "stamps", "tokens"}.
 One = Callable[[int, asyncio.Event], Awaitable[dict[str, Any]]]
+
+
+# Two-sided 95% Student t quantiles by degrees of freedom (above 30: 1.96).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+_T975 += (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
+_T975 += (2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_interval(ratios: Sequence[float]) -> tuple[float, float, float]:
+    """Geometric mean of paired ratios and its 95% confidence interval (a t
+    interval on their logs: rounds vary by a factor, not an amount)."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), 0.0, math.inf
+    t = _T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 1.96
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def verdict(low: float, high: float, target: float = 1.0) -> str:
+    """What an interval shows against a target ratio."""
+    if low >= target:
+        return f"at least {target:g}x shown"
+    if high < target:
+        return f"below {target:g}x"
+    return "no difference from it detectable"
 
 
 def percentile(values: list[float], q: float) -> float:

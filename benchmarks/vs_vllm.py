@@ -60,11 +60,13 @@ from ._compare import (
     code_state,
     level_summary,
     measure_batch,
+    paired_interval,
     plot_sides,
     pooled,
     ratio_cells,
     ratios,
     side_cells,
+    verdict,
 )
 from ._server import (
     RESULTS,
@@ -306,11 +308,27 @@ def markdown(report: dict[str, Any]) -> str:
             + f" (median {statistics.median(report['ratios'][str(c)]['tokens_per_s_rounds']):.3f})"
             for c in levels
         )
+        + ". Their geometric mean with its 95% confidence interval, against 1.0x: "
+        + "; ".join(
+            "c={}: {:.3f} [{:.3f}, {:.3f}], {}".format(
+                c,
+                *(iv := paired_interval(report["ratios"][str(c)]["tokens_per_s_rounds"])),
+                verdict(iv[1], iv[2]),
+            )
+            for c in levels
+        )
         + ". Frontend CPU: the CPU time of the server's own process (tokenwire serve, or "
         "vLLM's api_server; not the engine processes below it) over a batch, connecting "
         "included, per output token.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any]) -> None:
+    text = markdown(report)
+    (RESULTS / "vs_vllm.md").write_text(text)
+    plot(report, RESULTS / "vs_vllm.png")
+    print(text)
 
 
 def vllm_version() -> str:
@@ -383,7 +401,16 @@ def main() -> None:
         help="batches per level and server in each round, pooled",
     )
     parser.add_argument("--retries", type=int, default=1, help="at most, per batch")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="measure nothing: rewrite the Markdown and plot from results/vs_vllm.json",
+    )
     args = parser.parse_args()
+    if args.report_only:
+        report = json.loads((RESULTS / "vs_vllm.json").read_text())
+        write_report(report)
+        return
     if args.repeats < 1 or args.batches < 1:
         parser.error("--repeats and --batches must be at least 1")
     model = str(resolve_model(None))
@@ -399,10 +426,7 @@ def main() -> None:
     report = build_report(args, rounds, meta, time.perf_counter() - t_start)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "vs_vllm.json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    (RESULTS / "vs_vllm.md").write_text(text)
-    plot(report, RESULTS / "vs_vllm.png")
-    print(text)
+    write_report(report)
     for c in map(str, args.concurrency):
         q = report["ratios"][c]
         per_round = ", ".join(f"{x:.3f}" for x in q["tokens_per_s_rounds"])
