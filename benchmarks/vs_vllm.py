@@ -58,15 +58,14 @@ from ._compare import (
     One,
     batch,
     code_state,
+    interval_text,
     level_summary,
     measure_batch,
-    paired_interval,
     plot_sides,
     pooled,
     ratio_cells,
     ratios,
     side_cells,
-    verdict,
 )
 from ._server import (
     RESULTS,
@@ -310,11 +309,7 @@ def markdown(report: dict[str, Any]) -> str:
         )
         + ". Their geometric mean with its 95% confidence interval, against 1.0x: "
         + "; ".join(
-            "c={}: {:.3f} [{:.3f}, {:.3f}], {}".format(
-                c,
-                *(iv := paired_interval(report["ratios"][str(c)]["tokens_per_s_rounds"])),
-                verdict(iv[1], iv[2]),
-            )
+            f"c={c}: {interval_text(report['ratios'][str(c)]['tokens_per_s_rounds'])}"
             for c in levels
         )
         + ". Frontend CPU: the CPU time of the server's own process (tokenwire serve, or "

@@ -271,10 +271,8 @@ class Client:
         epoch = self._epoch
         while self.state == "reconnecting":
             await self._open.wait()
-        if self.state == "closed":
-            raise self._closed_error
-        if epoch != self._epoch:
-            raise self._closed_error  # the session it was meant for is gone
+        if self.state == "closed" or epoch != self._epoch:
+            raise self._closed_error  # closed, or the session it was meant for is gone
         # No await between numbering and writing: numbers follow the wire order.
         self._sent_count += 1
         self._unconfirmed.append((self._sent_count, event_id, frame))
@@ -362,11 +360,15 @@ class Client:
         self._open.set()  # waiting sends see "closed"
         if not self._ready.done():
             self._ready.set_exception(error)
+        self._fail_in_flight(error)
+
+    def _fail_in_flight(self, error: BaseException) -> None:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
         for response in self._responses.values():
             response._fail(error)
+        self._responses.clear()
 
     async def _reconnect(self, code: int | None) -> bool:
         """Back into the same session on a new connection; False if that failed."""
@@ -458,12 +460,7 @@ class Client:
             f"{refused.error['error'].get('message')}",
         )
         log.error("tokenwire: %s; going on in session %s", error, refused.fresh["session"]["id"])
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
-        for response in self._responses.values():
-            response._fail(error)
-        self._responses.clear()
+        self._fail_in_flight(error)
         self._closed_error = error
         self._epoch += 1
         self._sent_count = 0

@@ -421,7 +421,7 @@ class Connection:
                     self._resumed_after_detach(data["last_seq"])
                 )
             else:
-                self.push_resumed(data["last_seq"], max(self._logged_seq - data["last_seq"], 0))
+                self._resumed_remotely(data["last_seq"])
         elif op == "frame" and self.state == "remote":
             self._receive(data)
         elif op == "detach" and self.state == "remote":
@@ -430,7 +430,11 @@ class Connection:
     async def _resumed_after_detach(self, last_seq: int) -> None:
         await self.detached.wait()
         if self.state == "remote":
-            self.push_resumed(last_seq, max(self._logged_seq - last_seq, 0))
+            self._resumed_remotely(last_seq)
+
+    def _resumed_remotely(self, last_seq: int) -> None:
+        """The follower replays the log itself: all after last_seq counts."""
+        self.push_resumed(last_seq, max(self._logged_seq - last_seq, 0))
 
     def continue_restored(self) -> None:
         """A taken-over session: continue its generations (logged while no
