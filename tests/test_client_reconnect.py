@@ -381,3 +381,13 @@ async def test_a_hundred_random_cuts_lose_and_repeat_nothing(
         assert users == sent  # each once, in order
         # Every frame the client sent was taken exactly once, echoed or not.
         assert server.sessions[session_id or ""].session.client_events == tw._sent_count
+
+
+async def test_responses_are_not_kept_for_calls_that_never_take_them(
+    server: TokenwireServer,
+) -> None:
+    async with await connect(f"ws://127.0.0.1:{server.port}/v1/realtime") as tw:
+        await (await tw.create_response(max_output_tokens=3)).done()
+        reply = await tw.request({"type": "response.create", "response": {"max_output_tokens": 3}})
+        assert reply["type"] == "response.created"
+        assert tw._created == {}

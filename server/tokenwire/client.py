@@ -181,9 +181,9 @@ class Client:
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._responses: dict[str, Response] = {}
-        # response.create event_id -> its Response, until create_response takes
-        # it (the response may be done, and gone from _responses, by then).
-        self._created: dict[str, Response] = {}
+        # create_response's event_id -> its Response once created: the
+        # response may be done, and gone from _responses, before the call returns.
+        self._created: dict[str, Response | None] = {}
         # Events that belong to no response and answer no request.
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.last_seq = 0
@@ -304,8 +304,17 @@ class Client:
         return await self.create_item({"type": "message", "role": role, "content": content})
 
     async def create_response(self, **params: Any) -> Response:
-        reply = await self.request({"type": "response.create", "response": params})
-        return self._created.pop(reply["event_id"])
+        event_id = f"evt_{next(self._ids)}"
+        self._created[event_id] = None
+        try:
+            await self.request(
+                {"type": "response.create", "event_id": event_id, "response": params}
+            )
+            response = self._created[event_id]
+        finally:
+            del self._created[event_id]
+        assert response is not None  # response.created resolved the request
+        return response
 
     async def truncate(self, item_id: str, text_end: int) -> dict[str, Any]:
         return await self.request(
@@ -484,7 +493,7 @@ class Client:
         elif kind == "response.created":
             response = Response(self, event)
             self._responses[response.id] = response
-            if event.get("event_id") in self._pending:
+            if event.get("event_id") in self._created:
                 self._created[event["event_id"]] = response
         response_id = event.get("response_id") or (
             event["response"]["id"] if kind in ("response.created", _TERMINAL) else None
