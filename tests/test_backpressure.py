@@ -22,8 +22,8 @@ from websockets.asyncio.client import connect as ws_connect
 from tokenwire.client import connect
 from tokenwire.config import ServerConfig
 from tokenwire.engines.scripted import ScriptedEngine
-from tokenwire.protocol import CLOSE_SLOW_CLIENT
 from tokenwire.server import TokenwireServer
+from tokenwire.wire.close_codes import CLOSE_SLOW_CLIENT
 
 from .conftest import http_json, spawn_server
 
@@ -123,7 +123,7 @@ async def test_stalled_client_beside_healthy_one(server: TokenwireServer) -> Non
     stalled.transport.abort()
     await wait_for(lambda: not server.sessions)
     assert stalled_conn.state == "ended"
-    assert stalled_conn.outbox.pending_bytes == 0 and not stalled_conn.tasks
+    assert stalled_conn.delivery.outbox.pending_bytes == 0 and not stalled_conn.tasks
 
 
 async def test_pause_then_resume_gives_identical_text(server: TokenwireServer) -> None:
@@ -140,34 +140,18 @@ async def test_pause_then_resume_gives_identical_text(server: TokenwireServer) -
     ws.transport.abort()
 
 
-async def test_direct_and_queued_writes_keep_order(
-    server: TokenwireServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_direct_and_queued_writes_keep_order(server: TokenwireServer) -> None:
     """A client that keeps up gets events written straight from the engine's
     task; once it falls behind they queue for the writer. A client that reads
     in bursts switches between the two many times, and still gets every
     token once, in order, with no seq gap."""
-    from tokenwire.transport import Connection
-
-    calls = {"direct": 0, "queued": 0}
-    write_now, ring_batch = Connection._write_now, Connection._ring_batch
-
-    def spy_now(self: Connection, *args: object) -> None:
-        calls["direct"] += 1
-        write_now(self, *args)
-
-    def spy_ring_batch(self: Connection, merge: bool) -> list:
-        batch = ring_batch(self, merge)
-        calls["queued"] += len(batch)  # events the writer task sent
-        return batch
-
-    monkeypatch.setattr(Connection, "_write_now", spy_now)
-    monkeypatch.setattr(Connection, "_ring_batch", spy_ring_batch)
     ws = await raw_client(url_of(server))
     n = 6000
     await stream(ws, n)
+    await wait_for(lambda: len(server.connections) == 1)
+    (delivery,) = [c.delivery for c in server.connections]
     text, seqs, _, _ = await read_response(ws, pause_every=1000)  # fall behind now and then
-    assert calls["direct"] > 0 and calls["queued"] > 0
+    assert delivery.sent_directly > 0 and delivery.sent_by_writer > 0
     assert text == expected(n)
     assert seqs == list(range(1, len(seqs) + 1))
     ws.transport.abort()
@@ -187,7 +171,7 @@ async def test_big_event_written_at_once_does_not_close_a_reading_client(
         (conn,) = server.connections
         await asyncio.sleep(SMALL["stall_s"] + 1.5)  # past the stall and slow-client clocks
         assert conn.closed_for is None and not conn.paused
-        assert conn._stall_timer is None and conn._slow_timer is None
+        assert not conn.delivery.clocks_running
         await client.add_message("still here")  # the socket is open and served
 
 
@@ -213,20 +197,25 @@ async def test_direct_write_never_overtakes_queued_events() -> None:
     from websockets.protocol import State
     from websockets.server import ServerProtocol
 
-    from tokenwire.transport import Connection
+    from tokenwire.runtime.session_runtime import SessionRuntime
+    from tokenwire.wire import dialect_for
 
-    conn = Connection(ScriptedEngine(), ServerConfig(engine="scripted"))
-    ws = SimpleNamespace(protocol=ServerProtocol(), transport=RecordingTransport())
+    conn = SessionRuntime(ScriptedEngine(), ServerConfig(engine="scripted"))
+    ws = SimpleNamespace(
+        protocol=ServerProtocol(), transport=RecordingTransport(), remote_address=None
+    )
     ws.protocol.state = State.OPEN
-    conn.ws, conn._live, conn.state = ws, True, "attached"  # type: ignore[assignment]
+    conn.attach(ws, dialect_for(None))  # type: ignore[arg-type]
+    conn.delivery.go_live()  # live, with no writer task: what queues stays queued
+    outbox = conn.delivery.outbox
     # Malformed: session.created and an error event, written at once.
-    conn._receive("{")
-    assert len(ws.transport.written) == 2 and conn._sent_seq == 2 and not len(conn.outbox)
+    conn.receive("{")
+    assert len(ws.transport.written) == 2 and conn.delivery.sent_seq == 2 and not len(outbox)
     conn.going_away("shutdown", 100)  # queued for the writer task
-    conn._receive("{")
+    conn.receive("{")
     assert len(ws.transport.written) == 2  # the second error waits behind it
-    assert [e["type"] for e in conn.outbox._queue] == ["session.going_away", "error"]
-    assert conn.outbox.pop()["seq"] == 3
+    assert [e["type"] for e in outbox] == ["session.going_away", "error"]
+    assert outbox.pop()["seq"] == 3
 
 
 @pytest.mark.parametrize("server", [{"outbound_hard_cap": 4 << 20, "stall_s": 60.0}], indirect=True)
@@ -237,7 +226,7 @@ async def test_merged_frames_reassemble_exactly(server: TokenwireServer) -> None
     await asyncio.sleep(0.5)  # fall behind, so deltas pile up and merge
     text, seqs, frames, _ = await read_response(ws)
     conn = next(iter(server.connections))
-    assert conn.outbox.merged > 0
+    assert conn.delivery.outbox.merged > 0
     assert frames < n  # fewer frames than tokens...
     assert text == expected(n)  # ...with every token, in order
     assert seqs == list(range(1, len(seqs) + 1))
@@ -252,7 +241,7 @@ async def test_client_that_never_reads_is_closed(server: TokenwireServer) -> Non
     conn = next(iter(server.connections))
     await wait_for(lambda: not server.sessions, timeout=10)
     assert conn.closed_for == "slow_client"
-    assert conn.outbox.pending_bytes == 0 and not conn.tasks
+    assert conn.delivery.outbox.pending_bytes == 0 and not conn.tasks
     assert server.engine.load().running == 0
     with pytest.raises(Exception):  # noqa: B017 - any close or reset
         while True:
@@ -272,8 +261,8 @@ async def test_flooding_client_is_not_read_while_behind(server: TokenwireServer)
     await asyncio.sleep(1.5)
     conn = next(iter(server.connections))
     # Reading stopped once the answers piled up; memory stays near the cap.
-    assert not conn._drained.is_set()
-    assert conn.outbox.pending_bytes <= SMALL["outbound_hard_cap"] + 4096
+    assert not conn.drained.is_set()
+    assert conn.delivery.outbox.pending_bytes <= SMALL["outbound_hard_cap"] + 4096
     async with await connect(url_of(server)) as healthy:
         assert await healthy.ask("still fine") == "You said: still fine"
     flooder.cancel()

@@ -100,7 +100,7 @@ async def test_a_cut_mid_response_loses_nothing(server: TokenwireServer, proxy: 
                 # What the server writes now is lost with the socket.
                 proxy.drop_downstream = True
                 seen = tw.last_seq
-                await until(lambda s=seen: runtime._logged_seq > s + 5, "more tokens sent")
+                await until(lambda s=seen: runtime.delivery.logged_seq > s + 5, "more tokens sent")
                 proxy.cut()
                 proxy.drop_downstream = False
         done = await response.done()
@@ -197,7 +197,7 @@ async def test_a_response_that_ended_during_the_drop_is_still_handed_out(
         runtime = server.sessions[tw.session_id or ""]
         proxy.drop_downstream = True  # response.created and all the rest are lost
         task = await in_background(tw.create_response(ignore_eos=True, max_output_tokens=3))
-        await until(lambda: bool(runtime.session._finished), "the response done")
+        await until(lambda: bool(runtime.session.lifecycle.finished), "the response done")
         proxy.cut()
         proxy.drop_downstream = False
         response = await asyncio.wait_for(task, 10)

@@ -38,29 +38,28 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tokenwire.client import Client, TokenwireError, connect
-from tokenwire.engines.base import EngineDelta, GenerationRequest, ToolCallDelta
+from tokenwire.core.errors import ErrorCode, ProtocolError
+from tokenwire.core.events import AbortGeneration, StartGeneration, StartTimer
+from tokenwire.core.schema import CLIENT_EVENT_TYPES, parse_client_event
+from tokenwire.core.session import Session, SessionLimits
+from tokenwire.engines.base import (
+    ContextLengthExceeded,
+    EngineDelta,
+    EngineError,
+    EngineUnavailable,
+    GenerationRequest,
+    RequestError,
+    ToolCallDelta,
+)
 from tokenwire.engines.scripted import ScriptedEngine, example_arguments
-from tokenwire.protocol import (
-    CLIENT_EVENT_TYPES,
-    SUBPROTOCOL_JSON,
-    SUBPROTOCOL_MSGPACK,
-    Codec,
-    ErrorCode,
-    ProtocolError,
-    decode_frame,
-    parse_client_event,
-)
-from tokenwire.session import (
-    AbortGeneration,
-    Session,
-    SessionLimits,
-    StartGeneration,
-    StartTimer,
-)
+from tokenwire.wire.codec import decode_frame
+from tokenwire.wire.tokenwire_v1 import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK
+from tokenwire.wire.tokenwire_v1 import TokenwireV1 as Codec
 
 from .conftest import RunningServer, http_json
 
 CODES = {c.value for c in ErrorCode}
+ENGINE_ERRORS = [EngineError, EngineUnavailable, RequestError, ContextLengthExceeded]
 JSON_CODEC = Codec(SUBPROTOCOL_JSON)
 MSGPACK_CODEC = Codec(SUBPROTOCOL_MSGPACK)
 # Reproducible by default: the same examples on every run. For a longer,
@@ -343,7 +342,7 @@ def new_session(clock: Callable[[], float] = time.monotonic) -> Session:
             max_active_responses=3, max_conversation_bytes=8192, tool_timeout_s=5.0
         ),
         clock=clock,
-        check_request=ScriptedEngine(max_context_tokens=512).check,
+        preflight=ScriptedEngine(max_context_tokens=512).preflight,
     )
 
 
@@ -648,8 +647,8 @@ class Harness:
             self.stale.append(rid)
         return self.collect()
 
-    def engine_error(self, rid: str, code: ErrorCode, message: str) -> None:
-        self.session.receive_engine_error(rid, code, message)
+    def engine_error(self, rid: str, exc: EngineError) -> None:
+        self.session.receive_engine_error(rid, exc)
         if rid in self.live:
             del self.live[rid]
             self.stale.append(rid)
@@ -932,9 +931,8 @@ def test_session_mutated_sequences_keep_invariants(data: st.DataObject) -> None:
                 ),
             )
         elif step == "error":
-            h.engine_error(
-                rid, data.draw(st.sampled_from(list(ErrorCode))), data.draw(st.text(max_size=20))
-            )
+            kind = data.draw(st.sampled_from(ENGINE_ERRORS))
+            h.engine_error(rid, kind(data.draw(st.text(max_size=20))))
         elif step == "timeout":
             if h.timers:
                 resp_id, token = data.draw(st.sampled_from(h.timers))

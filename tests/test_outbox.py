@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenwire.outbox import DELTA, Outbox
+from tokenwire.core.outbox import DELTA, Outbox
 
 
 def delta(item: str, text: str) -> dict:

@@ -7,16 +7,11 @@ import json
 import msgpack
 import pytest
 
-from tokenwire.protocol import (
-    SUBPROTOCOL_JSON,
-    SUBPROTOCOL_MSGPACK,
-    Codec,
-    ErrorCode,
-    ProtocolError,
-    ResponseCreate,
-    decode_frame,
-    parse_client_event,
-)
+from tokenwire.core.errors import ErrorCode, ProtocolError
+from tokenwire.core.schema import ResponseCreate, parse_client_event
+from tokenwire.wire.codec import decode_frame
+from tokenwire.wire.tokenwire_v1 import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK
+from tokenwire.wire.tokenwire_v1 import TokenwireV1 as Codec
 
 
 def code_of(obj: object) -> ErrorCode:

@@ -12,10 +12,10 @@ import pytest
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import InvalidStatus
 
-from tokenwire.auth import KeyStore, key_id
 from tokenwire.client import TokenwireError, connect
 from tokenwire.config import ServerConfig
-from tokenwire.protocol import CLOSE_IDLE
+from tokenwire.server.admission import KeyStore, key_id
+from tokenwire.wire.close_codes import CLOSE_IDLE
 
 from .conftest import _scripted_server, free_port, http_json, spawn_server
 

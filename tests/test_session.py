@@ -6,10 +6,11 @@ from typing import Any
 
 import pytest
 
-from tokenwire.engines.base import EngineDelta
-from tokenwire.outbox import Outbox
-from tokenwire.protocol import ErrorCode, ProtocolError
-from tokenwire.session import AbortGeneration, Session, SessionLimits, StartGeneration
+from tokenwire.core.errors import ErrorCode, ProtocolError
+from tokenwire.core.events import AbortGeneration, StartGeneration
+from tokenwire.core.outbox import Outbox
+from tokenwire.core.session import Session, SessionLimits
+from tokenwire.engines.base import ContextLengthExceeded, EngineDelta
 
 
 class Clock:
@@ -183,9 +184,7 @@ def test_max_active_responses(clock: Clock) -> None:
 
 def test_engine_error_fails_response_and_echoes_event_id(session: Session) -> None:
     _, action = start(session)
-    session.receive_engine_error(
-        action.request.request_id, ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long"
-    )
+    session.receive_engine_error(action.request.request_id, ContextLengthExceeded("too long"))
     events = session.events_to_send()
     assert events[0]["error"]["code"] == "context_length_exceeded"
     assert events[0]["error"]["event_id"] == "create"

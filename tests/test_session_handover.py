@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenwire.core.events import AbortGeneration, StartGeneration, StartTimer
+from tokenwire.core.session import Session
 from tokenwire.engines.base import EngineDelta
-from tokenwire.redisstore import pack, unpack
-from tokenwire.session import AbortGeneration, Session, StartGeneration, StartTimer
+from tokenwire.storage.redis import pack, unpack
 
 from .test_session import send, start
 from .test_session_tools import begin, call, output, types

@@ -7,15 +7,10 @@ from typing import Any
 
 import pytest
 
-from tokenwire.engines.base import EngineDelta, EngineError, ToolCallDelta
-from tokenwire.protocol import ErrorCode
-from tokenwire.session import (
-    AbortGeneration,
-    Session,
-    StartGeneration,
-    StartTimer,
-    render_messages,
-)
+from tokenwire.core.conversation import render_messages
+from tokenwire.core.events import AbortGeneration, StartGeneration, StartTimer
+from tokenwire.core.session import Session
+from tokenwire.engines.base import ContextLengthExceeded, EngineDelta, ToolCallDelta
 
 WEATHER = {
     "type": "function",
@@ -220,9 +215,9 @@ def test_named_choice_must_exist(session: Session) -> None:
 def test_steer_that_overflows_context_leaves_response_running() -> None:
     def check(request: Any) -> None:
         if sum(len(m["content"]) for m in request.messages) > 200:
-            raise EngineError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long")
+            raise ContextLengthExceeded("too long")
 
-    s = Session(check_request=check)
+    s = Session(preflight=check)
     send(s, {"type": "response.create", "response": {"conversation": "none"}})
     (start,) = s.actions_to_perform()
     s.receive_engine_output(start.request.request_id, EngineDelta("Once", 1, None, 3, 0))
@@ -318,7 +313,7 @@ def test_previous_item_id_of_an_out_of_band_item_is_unknown(session: Session) ->
 
 def test_steer_prompt_holds_the_partial_text_once() -> None:
     checked: list[Any] = []
-    s = Session(check_request=checked.append)
+    s = Session(preflight=checked.append)
     send(
         s,
         {
@@ -367,7 +362,7 @@ def test_output_for_finished_out_of_band_response(session: Session) -> None:
     )
     (start,) = session.actions_to_perform()
     call(session, start.request.request_id, 0, "get_time", "{}", finish="stop")
-    call_id = session._calls and next(iter(session._calls))
+    call_id = session.lifecycle.calls and next(iter(session.lifecycle.calls))
     send(session, {"type": "response.cancel"})
     assert codes(output(session, call_id, "late")) == ["response_not_active"]
     assert all(i["type"] != "function_call_output" for i in session.items)

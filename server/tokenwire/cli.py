@@ -123,7 +123,7 @@ def serve(config: ServerConfig) -> int:
     from .server import TokenwireServer
 
     logs.configure(config.log_level)
-    from .auth import KeyStore, is_loopback
+    from .server.admission import KeyStore, is_loopback
 
     keys = KeyStore.load(config.api_keys_file, config.api_keys)
     if not keys.enabled and not config.insecure and not is_loopback(config.host):

@@ -38,7 +38,8 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-from .protocol import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, decode_frame
+from .wire.codec import decode_frame
+from .wire.tokenwire_v1 import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, TokenwireV1
 
 DEFAULT_URL = "ws://127.0.0.1:8765/v1/realtime"
 _TERMINAL = "response.done"
@@ -176,7 +177,7 @@ class Client:
         # Tool name -> async function called with the call's arguments as keywords.
         self.tool_handlers: dict[str, ToolHandler] = dict(tools or {})
         self._tool_tasks: set[asyncio.Task[None]] = set()
-        self.codec = Codec(ws.subprotocol)
+        self.codec = TokenwireV1(ws.subprotocol)
         self.session: dict[str, Any] = {}
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}

@@ -4,17 +4,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import Engine, EngineDelta, EngineError, EngineLoad, GenerationRequest
+from .base import (
+    ContextLengthExceeded,
+    Engine,
+    EngineCapabilities,
+    EngineDelta,
+    EngineError,
+    EngineLoad,
+    EngineUnavailable,
+    GenerationRequest,
+    RequestError,
+)
 
 if TYPE_CHECKING:
     from ..config import ServerConfig
 
 __all__ = [
+    "ContextLengthExceeded",
     "Engine",
+    "EngineCapabilities",
     "EngineDelta",
     "EngineError",
     "EngineLoad",
+    "EngineUnavailable",
     "GenerationRequest",
+    "RequestError",
     "create_engine",
 ]
 

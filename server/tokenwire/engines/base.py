@@ -6,8 +6,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..protocol import ErrorCode
-
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
@@ -26,6 +24,9 @@ class GenerationRequest:
     # Tokens this generation already produced before a pause: the engine
     # appends them to the prompt and continues after them (prefix-cache hit).
     resume_token_ids: tuple[int, ...] = ()
+    # The prompt as the engine's preflight rendered it, so generate() does
+    # not render it again; None: generate() renders it.
+    rendered: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +60,44 @@ class EngineLoad:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class EngineError(Exception):
-    """A request the engine refused or failed; carries a protocol error code."""
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """What the session may ask of an engine, instead of assuming it."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    # generate() continues after `resume_token_ids` exactly as if never
+    # stopped: a slow client's generation can be paused and resumed.
+    resume_from_token_ids: bool = False
+    # preflight() knows the prompt's size: a request that cannot fit is
+    # refused before a response exists.
+    preflight: bool = False
+    # The request's priority reaches the engine's scheduler.
+    priority: bool = False
+
+
+class EngineError(Exception):
+    """A request the engine failed."""
+
+    def __init__(self, message: str) -> None:
         super().__init__(message)
-        self.code = code
         self.message = message
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot serve anything now (failed to start, or died); the
+    request itself may be fine."""
+
+
+class RequestError(EngineError):
+    """This request cannot run; others may."""
+
+
+class ContextLengthExceeded(RequestError):
+    """The prompt does not fit the model's context."""
 
 
 class Engine(Protocol):
     name: str
+    capabilities: EngineCapabilities
 
     async def start(self) -> None:
         """Load the model; `generate` waits for this to finish."""
@@ -79,12 +107,14 @@ class Engine(Protocol):
     @property
     def ready(self) -> bool: ...
 
-    def check(self, request: GenerationRequest) -> None:
-        """Pre-flight, synchronous: raise EngineError (context_length_exceeded)
-        before any engine work. May do nothing if the engine is not ready."""
+    def preflight(self, request: GenerationRequest) -> tuple[int, ...] | None:
+        """Synchronous, before any engine work: raise RequestError if the request
+        cannot run. Returns the rendered prompt for `GenerationRequest.rendered`,
+        or None. May check nothing while the engine is not ready."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
-        """Stream deltas. Cancelling the consuming task aborts the request."""
+        """Stream deltas; the last has a finish_reason. Cancelling the consuming
+        task (or closing the iterator) aborts the request. Raises EngineError."""
         ...
 
     def load(self) -> EngineLoad:

@@ -15,8 +15,14 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ..protocol import ErrorCode
-from .base import EngineDelta, EngineError, EngineLoad, GenerationRequest, ToolCallDelta
+from .base import (
+    ContextLengthExceeded,
+    EngineCapabilities,
+    EngineDelta,
+    EngineLoad,
+    GenerationRequest,
+    ToolCallDelta,
+)
 from .toolcalls import ArrayCallScanner, NamedCallScanner, forced_call_text
 
 DEFAULT_CONTEXT_TOKENS = 4096
@@ -87,6 +93,7 @@ def example_arguments(schema: dict[str, Any], word: str) -> dict[str, Any]:
 
 class ScriptedEngine:
     name = "scripted"
+    capabilities = EngineCapabilities(resume_from_token_ids=True, preflight=True)
 
     def __init__(
         self, tokens_per_s: float = 0.0, max_context_tokens: int = DEFAULT_CONTEXT_TOKENS
@@ -108,14 +115,13 @@ class ScriptedEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(running=self._running)
 
-    def check(self, request: GenerationRequest) -> None:
+    def preflight(self, request: GenerationRequest) -> None:
         self._prompt_tokens(request)
 
     def _prompt_tokens(self, request: GenerationRequest) -> int:
         prompt_tokens = sum(count_tokens(m.get("content") or "") + 3 for m in request.messages)
         if prompt_tokens >= self._max_context_tokens:
-            raise EngineError(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            raise ContextLengthExceeded(
                 f"the prompt has {prompt_tokens} tokens; the model's context is "
                 f"{self._max_context_tokens}",
             )

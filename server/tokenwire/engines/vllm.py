@@ -15,8 +15,14 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..logs import get_logger
-from ..protocol import ErrorCode
-from .base import EngineDelta, EngineError, EngineLoad, GenerationRequest
+from .base import (
+    ContextLengthExceeded,
+    EngineCapabilities,
+    EngineDelta,
+    EngineLoad,
+    EngineUnavailable,
+    GenerationRequest,
+)
 from .toolcalls import ParserStream, forced_scanner, structured_schema
 
 if TYPE_CHECKING:
@@ -58,6 +64,7 @@ def _load_tracker_class() -> type:
 
 class VllmEngine:
     name = "vllm"
+    capabilities = EngineCapabilities(resume_from_token_ids=True, preflight=True)
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -68,9 +75,6 @@ class VllmEngine:
         self._max_len: int | None = None
         self._ready = asyncio.Event()
         self._failure: str | None = None
-        # Token ids rendered by check(), taken by generate(); bounded by the
-        # transport, which starts every checked request at once.
-        self._rendered: dict[str, list[int]] = {}
 
     @property
     def ready(self) -> bool:
@@ -176,34 +180,27 @@ class VllmEngine:
         )
         return self._tokenizer.encode(text, add_special_tokens=False)
 
-    def check(self, request: GenerationRequest) -> None:
+    def preflight(self, request: GenerationRequest) -> tuple[int, ...] | None:
         if self._tokenizer is None:
-            return  # not loaded yet; generate() checks once it is
-        ids = self._checked_ids(request)
-        if len(self._rendered) < 1024:
-            self._rendered[request.request_id] = ids
+            return None  # not loaded yet; generate() checks once it is
+        return tuple(self._checked_ids(request))
 
     def _checked_ids(self, request: GenerationRequest) -> list[int]:
         ids = self.render(request)
         if len(ids) >= (self._max_len or 0):
-            raise EngineError(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            raise ContextLengthExceeded(
                 f"the prompt has {len(ids)} tokens; the model's context is {self._max_len} "
                 "tokens. Shorten the conversation or its instructions.",
             )
         return ids
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
-        ids = self._rendered.pop(request.request_id, None)
         await self._ready.wait()
         if self._failure is not None or self._llm is None:
-            raise EngineError(
-                ErrorCode.ENGINE_UNAVAILABLE, f"the engine failed to start: {self._failure}"
-            )
+            raise EngineUnavailable(f"the engine failed to start: {self._failure}")
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-        if ids is None:
-            ids = self._checked_ids(request)
+        ids = list(request.rendered) if request.rendered else self._checked_ids(request)
         if request.resume_token_ids:
             ids = [*ids, *request.resume_token_ids]
         room = (self._max_len or 0) - len(ids)

@@ -1,4 +1,6 @@
-"""Shared state for several instances, in Redis.
+"""Shared state for several instances, in Redis: the session directory
+(meta, claim, lease, inbox) and the raw operations of the per-session log
+(storage.redis_log puts the EventLog interface on them).
 
 Per session:
 - `tw:{sid}:log`, a stream of its events with entry id `0-<seq>`, written
@@ -35,7 +37,8 @@ import msgpack
 import redis.asyncio as redis
 from redis.exceptions import ResponseError
 
-from .logs import get_logger
+from ..logs import get_logger
+from .eventlog import Fenced
 
 log = get_logger("tokenwire.redis")
 
@@ -73,10 +76,6 @@ class Entry:
 class Meta:
     owner: str
     key_id: str | None
-
-
-class Fenced(Exception):
-    """Another instance owns the session now."""
 
 
 class RedisStore:

@@ -9,9 +9,10 @@ over other items' deltas but never past any other event.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
-DELTA = "response.output_text.delta"
+from .events import RESPONSE_OUTPUT_TEXT_DELTA as DELTA
 
 
 class Outbox:
@@ -25,6 +26,10 @@ class Outbox:
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The queued events, in order (read-only: they are not numbered yet)."""
+        return iter(self._queue)
 
     def push(self, event: dict[str, Any]) -> None:
         self._queue.append(event)

@@ -1,18 +1,15 @@
-"""Protocol v1: event validation, error codes and the JSON/msgpack codec.
+"""The internal client-event schema: what every dialect parses frames into.
 
-No I/O here. The transport hands frames in; `decode_frame` and
-`parse_client_event` turn them into typed client events or raise
-`ProtocolError` with a stable code.
+tokenwire v1 speaks it as is on the wire; other dialects translate to it.
+Validation is strict and every failure is a `ProtocolError` with a stable
+code and the path of the offending field.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-import msgpack
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -23,104 +20,10 @@ from pydantic import (
     ValidationError,
 )
 
-SUBPROTOCOL_JSON = "tokenwire.v1.json"
-SUBPROTOCOL_MSGPACK = "tokenwire.v1.msgpack"
-SUBPROTOCOLS = (SUBPROTOCOL_MSGPACK, SUBPROTOCOL_JSON)
-
-# Close codes (see docs/protocol.md).
-CLOSE_IDLE = 4000  # no client frame and no active response for --idle-timeout-s
-CLOSE_SLOW_CLIENT = 4008  # the client stopped reading its stream
-CLOSE_TRY_AGAIN_LATER = 1013  # connection limit reached after the handshake
-CLOSE_SERVICE_RESTART = 1012  # drained: resume the session, on another instance
-
-
-class ErrorCode(StrEnum):
-    """Stable error codes; clients may switch on these."""
-
-    MALFORMED_FRAME = "malformed_frame"
-    INVALID_EVENT = "invalid_event"
-    UNKNOWN_EVENT_TYPE = "unknown_event_type"
-    MISSING_FIELD = "missing_field"
-    INVALID_FIELD = "invalid_field"
-    UNKNOWN_FIELD = "unknown_field"
-    UNKNOWN_RESPONSE = "unknown_response"
-    RESPONSE_NOT_ACTIVE = "response_not_active"
-    CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE = "conversation_already_has_active_response"
-    TOO_MANY_RESPONSES = "too_many_responses"
-    UNKNOWN_ITEM = "unknown_item"
-    DUPLICATE_ITEM_ID = "duplicate_item_id"
-    UNKNOWN_CALL_ID = "unknown_call_id"
-    DUPLICATE_CALL_OUTPUT = "duplicate_call_output"
-    INVALID_TOOL_ARGUMENTS = "invalid_tool_arguments"
-    INVALID_STATE = "invalid_state"
-    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-    CONVERSATION_TOO_LARGE = "conversation_too_large"
-    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
-    SESSION_NOT_FOUND = "session_not_found"
-    RESUME_NOT_POSSIBLE = "resume_not_possible"
-    ENGINE_UNAVAILABLE = "engine_unavailable"
-    ENGINE_ERROR = "engine_error"
-    SERVER_ERROR = "server_error"
-
-
-# Errors caused by the client's input; everything else is the server's fault.
-_SERVER_SIDE = {
-    ErrorCode.ENGINE_UNAVAILABLE,
-    ErrorCode.ENGINE_ERROR,
-    ErrorCode.SERVER_ERROR,
-    ErrorCode.INVALID_TOOL_ARGUMENTS,  # the model's output, not the client's input
-}
-
-
-class ProtocolError(Exception):
-    """A client mistake, reported as an `error` event; the connection stays open."""
-
-    def __init__(
-        self,
-        code: ErrorCode,
-        message: str,
-        *,
-        event_id: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.event_id = event_id
-        self.param = param
-
-    def to_event(self) -> dict[str, Any]:
-        return error_event(self.code, self.message, event_id=self.event_id, param=self.param)
-
-
-def error_event(
-    code: ErrorCode,
-    message: str,
-    *,
-    event_id: str | None = None,
-    param: str | None = None,
-) -> dict[str, Any]:
-    error: dict[str, Any] = {
-        "type": "server_error" if code in _SERVER_SIDE else "invalid_request_error",
-        "code": str(code),
-        "message": message,
-    }
-    if event_id is not None:
-        error["event_id"] = event_id
-    if param is not None:
-        error["param"] = param
-    return {"type": "error", "error": error}
-
-
-# ---------------------------------------------------------------------------
-# Codec
-
+from . import events as ev
+from .errors import ErrorCode, ProtocolError
 
 INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry back
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def check_values(obj: Any) -> None:
@@ -149,46 +52,6 @@ def check_values(obj: Any) -> None:
         elif isinstance(value, list | tuple):
             stack.extend(value)
 
-
-def decode_frame(data: str | bytes) -> Any:
-    """Text frames are JSON and binary frames msgpack, whatever was negotiated."""
-    try:
-        if isinstance(data, str):
-            obj = json.loads(data, parse_constant=_reject_constant)
-        else:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        check_values(obj)
-        return obj
-    except (
-        ValueError,
-        TypeError,
-        RecursionError,
-        msgpack.ExtraData,
-        msgpack.FormatError,
-        msgpack.StackError,
-    ) as exc:
-        kind = "JSON" if isinstance(data, str) else "msgpack"
-        raise ProtocolError(
-            ErrorCode.MALFORMED_FRAME, f"the frame is not valid {kind}: {exc}"
-        ) from None
-
-
-class Codec:
-    """Encodes server events for one negotiated subprotocol."""
-
-    def __init__(self, subprotocol: str | None) -> None:
-        self.subprotocol = subprotocol or SUBPROTOCOL_JSON
-        self.binary = self.subprotocol == SUBPROTOCOL_MSGPACK
-        self._packer = msgpack.Packer(use_bin_type=True)
-
-    def encode(self, event: dict[str, Any]) -> str | bytes:
-        if self.binary:
-            return self._packer.pack(event)
-        return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-
-
-# ---------------------------------------------------------------------------
-# Client events
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 ItemId = Annotated[
@@ -272,45 +135,45 @@ class _ClientEvent(BaseModel):
 
 
 class SessionUpdate(_ClientEvent):
-    type: Literal["session.update"]
+    type: Literal[ev.SESSION_UPDATE]
     session: SessionConfig
 
 
 class ConversationItemCreate(_ClientEvent):
-    type: Literal["conversation.item.create"]
+    type: Literal[ev.CONVERSATION_ITEM_CREATE]
     item: Item
     previous_item_id: str | None = None
 
 
 class ConversationItemTruncate(_ClientEvent):
-    type: Literal["conversation.item.truncate"]
+    type: Literal[ev.CONVERSATION_ITEM_TRUNCATE]
     item_id: str
     text_end: Annotated[int, Field(ge=0)]
 
 
 class ConversationItemRetrieve(_ClientEvent):
-    type: Literal["conversation.item.retrieve"]
+    type: Literal[ev.CONVERSATION_ITEM_RETRIEVE]
     item_id: str
 
 
 class ResponseCreate(_ClientEvent):
-    type: Literal["response.create"]
+    type: Literal[ev.RESPONSE_CREATE]
     response: ResponseParams = Field(default_factory=ResponseParams)
 
 
 class ResponseCancel(_ClientEvent):
-    type: Literal["response.cancel"]
+    type: Literal[ev.RESPONSE_CANCEL]
     response_id: str | None = None
 
 
 class ResponseSteer(_ClientEvent):
-    type: Literal["response.steer"]
+    type: Literal[ev.RESPONSE_STEER]
     response_id: str | None = None
     input: Annotated[str, StringConstraints(min_length=1)]
 
 
 class SessionResume(_ClientEvent):
-    type: Literal["session.resume"]
+    type: Literal[ev.SESSION_RESUME]
     session_id: Annotated[str, Field(min_length=1, max_length=128)]  # also a Redis key part
     last_seq: Annotated[int, Field(ge=0)]
 
@@ -341,14 +204,19 @@ _PYDANTIC_CODES = {
 }
 
 
+def event_id_of(obj: Any) -> str | None:
+    """The client's event_id, if it is one an error may echo."""
+    raw = obj.get("event_id") if isinstance(obj, dict) else None
+    return raw if isinstance(raw, str) and len(raw) <= 128 else None
+
+
 def parse_client_event(obj: Any) -> ClientEvent:
     """Validate one decoded frame; raise ProtocolError with a stable code."""
     if not isinstance(obj, dict):
         raise ProtocolError(
             ErrorCode.INVALID_EVENT, f"an event must be a map, got {type(obj).__name__}"
         )
-    raw_id = obj.get("event_id")
-    event_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= 128 else None
+    event_id = event_id_of(obj)
     kind = obj.get("type")
     if not isinstance(kind, str):
         raise ProtocolError(

@@ -17,17 +17,16 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from .logs import get_logger
-from .protocol import CLOSE_SERVICE_RESTART, Codec, ErrorCode, error_event
-from .redisstore import RedisStore, unpack
-
-if TYPE_CHECKING:
-    from .transport import Outcome
+from ..core.errors import ErrorCode, error_event
+from ..logs import get_logger
+from ..storage.redis import RedisStore
+from ..wire import Dialect
+from ..wire.close_codes import CLOSE_SERVICE_RESTART
+from .socket import Outcome, close_or_abort
 
 log = get_logger("tokenwire.follow")
 
@@ -50,9 +49,10 @@ class Follower:
         self.log = log.bind(session_id=session_id, owner=owner, follower=self.id)
         self._ws: ServerConnection | None = None
 
-    async def serve(self, ws: ServerConnection, resume_from: int | None = None) -> Outcome:
+    async def serve(
+        self, ws: ServerConnection, dialect: Dialect, resume_from: int | None = None
+    ) -> Outcome:
         self._ws = ws
-        codec = Codec(ws.subprotocol)
         sent = resume_from or 0
         await self._forward("attach", {"last_seq": sent})
         reader = asyncio.create_task(self._forward_frames(ws))
@@ -65,11 +65,9 @@ class Follower:
                 )
                 for entry in entries:
                     if entry.seq != sent + 1:  # trimmed past this client (MAXLEN)
-                        await self._fail(ws, codec, entry.seq, sent)
+                        await self._fail(ws, dialect, entry.seq, sent)
                         return "ended"
-                    await ws.send(
-                        entry.event if codec.binary else codec.encode(unpack(entry.event))
-                    )
+                    await ws.send(dialect.from_logged(entry.event))
                     sent = entry.seq
                 if time.monotonic() - last_ping >= self._ping_s:
                     last_ping = time.monotonic()
@@ -118,17 +116,15 @@ class Follower:
     async def close(self) -> None:
         """This instance drains: the client resumes elsewhere (no going_away:
         the follower has no seq of its own to give it)."""
-        from .transport import close_or_abort
-
         if self._ws is not None:
             await close_or_abort(self._ws, CLOSE_SERVICE_RESTART, "draining; resume the session")
 
-    async def _fail(self, ws: ServerConnection, codec: Codec, got: int, sent: int) -> None:
+    async def _fail(self, ws: ServerConnection, dialect: Dialect, got: int, sent: int) -> None:
         event = error_event(
             ErrorCode.RESUME_NOT_POSSIBLE,
             f"events {sent + 1}..{got - 1} are no longer kept; start a new session",
         )
         event["seq"] = sent + 1
         with contextlib.suppress(ConnectionClosed):
-            await ws.send(codec.encode(event))
+            await ws.send(dialect.encode(event))
             await ws.close(1011, "fell behind the session's log")

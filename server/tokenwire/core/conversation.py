@@ -1,0 +1,164 @@
+"""A session's conversation: its items, the room they take, and how they
+render into chat messages for the engine."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from .errors import ErrorCode, ProtocolError
+from .schema import FunctionCallOutputItem, MessageItem
+
+Item = dict[str, Any]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+def make_item(fields: dict[str, Any]) -> Item:
+    item = {"id": fields.pop("id", None) or new_id("item"), "object": "realtime.item"}
+    item.update(fields)
+    item.setdefault("status", "completed")
+    return item
+
+
+class Conversation:
+    """The session's items in order, every item it knows by id (a
+    conversation:"none" response's private items too), and the bytes of text
+    they hold, which bound the session's memory."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.items: list[Item] = []
+        self.by_id: dict[str, Item] = {}
+        self.history_bytes = 0
+
+    def check_room(self, text_bytes: int, event_id: str | None) -> None:
+        """Refuse new client text past the cap; callers count it (`add_bytes`)
+        once every other check has passed."""
+        if self.history_bytes + text_bytes > self.max_bytes:
+            raise ProtocolError(
+                ErrorCode.CONVERSATION_TOO_LARGE,
+                f"the conversation would exceed {self.max_bytes} bytes of text; start a new "
+                "session",
+                event_id=event_id,
+            )
+
+    def add_bytes(self, text: str) -> None:
+        self.history_bytes += len(text.encode())
+
+    def new_item(self, raw: MessageItem | FunctionCallOutputItem, event_id: str | None) -> Item:
+        fields = raw.model_dump(exclude_none=True)
+        if fields.get("id") in self.by_id:
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_ITEM_ID,
+                f"an item {fields['id']!r} already exists",
+                event_id=event_id,
+                param="item.id",
+            )
+        return make_item(fields)
+
+    def get(self, item_id: str, event_id: str | None) -> Item:
+        item = self.by_id.get(item_id)
+        if item is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_ITEM,
+                f"no item {item_id!r} in the conversation",
+                event_id=event_id,
+                param="item_id",
+            )
+        return item
+
+    def check_previous(self, previous_item_id: str | None, event_id: str | None) -> None:
+        if previous_item_id is not None and not any(
+            it["id"] == previous_item_id for it in self.items
+        ):
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_ITEM,
+                f"no item {previous_item_id!r} in the conversation",
+                event_id=event_id,
+                param="previous_item_id",
+            )
+
+    def last_id(self) -> str | None:
+        return self.items[-1]["id"] if self.items else None
+
+    def insert(self, item: Item, previous_item_id: str | None = None) -> None:
+        if previous_item_id is None:
+            self.items.append(item)
+        else:
+            index = next(i for i, it in enumerate(self.items) if it["id"] == previous_item_id)
+            self.items.insert(index + 1, item)
+        self.by_id[item["id"]] = item
+
+    def append_to(self, context: list[Item], item: Item) -> None:
+        """Add an item to a response's context: the conversation, or its own list."""
+        if context is self.items:
+            self.insert(item)
+        else:
+            context.append(item)
+            self.by_id[item["id"]] = item
+
+    def remove_from(self, context: list[Item], item: Item) -> None:
+        if item in context:
+            context.remove(item)
+        self.by_id.pop(item["id"], None)
+
+    def truncate(self, item_id: str, text_end: int, event_id: str | None) -> Item:
+        """Keep the first `text_end` characters of an assistant message (what
+        the user heard)."""
+        item = self.get(item_id, event_id)
+        if item["type"] != "message" or item["role"] != "assistant":
+            raise ProtocolError(
+                ErrorCode.INVALID_STATE,
+                "only assistant messages can be truncated",
+                event_id=event_id,
+                param="item_id",
+            )
+        if item["status"] == "in_progress":
+            raise ProtocolError(
+                ErrorCode.INVALID_STATE,
+                "the item is still being generated; send response.cancel first, then truncate",
+                event_id=event_id,
+                param="item_id",
+            )
+        if text_end > len(item["content"]):
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"text_end {text_end} is past the item's {len(item['content'])} characters",
+                event_id=event_id,
+                param="text_end",
+            )
+        item["content"] = item["content"][:text_end]
+        item["status"] = "incomplete"
+        return item
+
+
+def render_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
+    """Items as chat-completions messages, for the engine's chat template."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            if item["content"] or item["role"] != "assistant":
+                messages.append({"role": item["role"], "content": item["content"]})
+        elif kind == "function_call" and item["status"] == "completed":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            # Parallel calls (and text before them) make one assistant turn.
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
+    return messages

@@ -1,0 +1,452 @@
+"""The response lifecycle: generations started, paused and stopped, engine
+output folded into items, tool calls awaited, and responses finished.
+
+Sans-I/O like the session that owns it: events go out through the session's
+`Outputs`, engine work is asked for as actions.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Protocol
+
+from ..engines.base import (
+    ContextLengthExceeded,
+    EngineCapabilities,
+    EngineDelta,
+    EngineError,
+    EngineUnavailable,
+    GenerationRequest,
+)
+from . import events as ev
+from . import schema as s
+from .conversation import Conversation, Item, render_messages
+from .errors import ErrorCode, ProtocolError, error_event
+from .events import AbortGeneration, Outputs, StartGeneration, StartTimer
+from .response import Response, ResponseStatus
+from .tools import check_arguments, engine_tools
+
+Preflight = Callable[[GenerationRequest], tuple[int, ...] | None]
+
+
+class Quota(Protocol):
+    """Limits shared by all sessions of one API key (see server.admission.KeyUsage)."""
+
+    def acquire_response(self) -> tuple[ErrorCode, str] | None: ...
+
+    def release_response(self) -> None: ...
+
+    def spend_tokens(self, n: int) -> None: ...
+
+
+def error_code(exc: EngineError) -> ErrorCode:
+    """The wire code for an engine failure: a dead engine, a request that
+    cannot fit, or anything else the engine did wrong."""
+    if isinstance(exc, ContextLengthExceeded):
+        return ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    if isinstance(exc, EngineUnavailable):
+        return ErrorCode.ENGINE_UNAVAILABLE
+    return ErrorCode.ENGINE_ERROR
+
+
+class Lifecycle:
+    """A session's responses, from response.create to response.done."""
+
+    def __init__(
+        self,
+        out: Outputs,
+        conversation: Conversation,
+        clock: Callable[[], float],
+        capabilities: EngineCapabilities,
+        preflight: Preflight | None,
+        quota: Quota | None,
+    ) -> None:
+        self._out = out
+        self.conversation = conversation
+        self.clock = clock
+        self.capabilities = capabilities
+        self._preflight = preflight
+        self.quota = quota
+        self.responses: dict[str, Response] = {}
+        # Finished responses, kept briefly so a late cancel gets a precise error.
+        self.finished: OrderedDict[str, str] = OrderedDict()
+        self._requests: dict[str, str] = {}  # engine request id -> response id
+        # Every function call: call_id -> (item, owning response id, answered?)
+        self.calls: dict[str, tuple[Item, str, bool]] = {}
+
+    @property
+    def active(self) -> list[Response]:
+        return [r for r in self.responses.values() if r.active]
+
+    def add(self, resp: Response, request: GenerationRequest) -> None:
+        """A response that passed every check starts its first generation."""
+        self.responses[resp.id] = resp
+        self._out.emit({"type": ev.RESPONSE_CREATED, "response": resp.describe()}, resp.event_id)
+        self.start_generation(resp, request)
+
+    def receive_engine_output(self, request_id: str, delta: EngineDelta) -> None:
+        resp = self._response_for(request_id)
+        if resp is None:
+            return  # a request we already aborted; its late outputs are dropped
+        if delta.prompt_tokens is not None:
+            resp.input_tokens += delta.prompt_tokens
+            resp.cached_tokens += delta.cached_tokens or 0
+        resp.output_tokens += delta.output_tokens
+        if self.quota is not None:
+            self.quota.spend_tokens(delta.output_tokens)
+        if delta.token_ids:
+            resp.gen_token_ids.extend(delta.token_ids)
+        if (delta.text or delta.tool_calls) and resp.first_token_at is None:
+            resp.first_token_at = self.clock()
+        if delta.text:
+            item = resp.append_text(self.conversation, delta.text)
+            self._out.emit(
+                {
+                    "type": ev.RESPONSE_OUTPUT_TEXT_DELTA,
+                    "response_id": resp.id,
+                    "item_id": item["id"],
+                    "delta": delta.text,
+                }
+            )
+        for chunk in delta.tool_calls or ():
+            item = resp.append_call_chunk(
+                self.conversation, chunk.index, chunk.name, chunk.arguments
+            )
+            self._out.emit(
+                {
+                    "type": ev.RESPONSE_FUNCTION_CALL_ARGUMENTS_DELTA,
+                    "response_id": resp.id,
+                    "item_id": item["id"],
+                    "call_id": item["call_id"],
+                    "name": item["name"],
+                    "delta": chunk.arguments,
+                }
+            )
+        if delta.finish_reason is not None:
+            self._requests.pop(request_id, None)
+            resp.request_id = None
+            self._end_generation(resp, delta.finish_reason)
+
+    def receive_engine_error(self, request_id: str, exc: EngineError) -> None:
+        resp = self._response_for(request_id)
+        if resp is None:
+            return
+        self._requests.pop(request_id, None)
+        resp.request_id = None
+        self._fail(resp, error_code(exc), exc.message)
+
+    def receive_timeout(self, response_id: str, token: int) -> None:
+        resp = self.responses.get(response_id)
+        if (
+            resp is None
+            or resp.status is not ResponseStatus.REQUIRES_ACTION
+            or resp.wait_token != token
+        ):
+            return  # outputs arrived, or the response ended, before the timer fired
+        self.finish(
+            resp, ResponseStatus.INCOMPLETE, {"type": "incomplete", "reason": "tool_timeout"}
+        )
+
+    def pause(self) -> list[str]:
+        if not self.capabilities.resume_from_token_ids:
+            return []  # they could not continue where they stopped
+        paused = []
+        for resp in self.active:
+            req = resp.gen_request
+            # Tool-call generations are short and their parsers keep state; leave them.
+            if resp.request_id is None or req is None or req.tools is not None:
+                continue
+            self.abort_current(resp)
+            resp.paused = True
+            paused.append(resp.id)
+        return paused
+
+    def suspend(self) -> None:
+        for resp in self.active:
+            if resp.request_id is not None:
+                self.abort_current(resp)
+                resp.paused = True
+
+    def abandon(self) -> None:
+        self.suspend()
+        for resp in self.active:
+            if self.quota is not None:
+                self.quota.release_response()
+            del self.responses[resp.id]
+        self._out.take_events()
+
+    def resume(self) -> list[str]:
+        resumed = []
+        for resp in self.active:
+            if not resp.paused:
+                continue
+            resp.paused = False
+            assert resp.gen_request is not None
+            if resp.gen_request.tools is not None or not self.capabilities.resume_from_token_ids:
+                # Only a takeover stops a tool-call generation (pause() never
+                # does), and its parser state is gone: run it again from the start.
+                resp.drop_partial_calls(self.conversation)
+                self.close_text_item(resp, "incomplete")
+                self.start_generation(resp)
+                resumed.append(resp.id)
+                continue
+            request = replace(
+                resp.gen_request,
+                request_id=f"{resp.id}-{resp.generation + 1}",
+                max_output_tokens=resp.remaining_tokens(),
+                resume_token_ids=tuple(resp.gen_token_ids),
+            )
+            self.start_generation(resp, request, fresh=False)
+            resumed.append(resp.id)
+        return resumed
+
+    def close(self) -> None:
+        for resp in self.active:
+            self.abort_current(resp)
+            self.finish(
+                resp,
+                ResponseStatus.CANCELLED,
+                {"type": "cancelled", "reason": "client_disconnected"},
+            )
+
+    # -- internals: generations ---------------------------------------------
+
+    def _next_request(self, resp: Response, extra: list[Item] | None = None) -> GenerationRequest:
+        """The engine request for the response's next generation; changes nothing."""
+        params = resp.params
+        tools, choice = engine_tools(
+            params["tools"], resp.tool_choice, params["parallel_tool_calls"]
+        )
+        return GenerationRequest(
+            request_id=f"{resp.id}-{resp.generation + 1}",
+            messages=render_messages(params["instructions"], [*resp.context, *(extra or [])]),
+            max_output_tokens=resp.remaining_tokens(),
+            temperature=params["temperature"],
+            ignore_eos=params["ignore_eos"],
+            tools=tools,
+            tool_choice=choice,
+        )
+
+    def checked_request(
+        self, resp: Response, extra: list[Item], event_id: str | None
+    ) -> GenerationRequest:
+        """The next request, through the engine's preflight (a ProtocolError if
+        it cannot run)."""
+        request = self._next_request(resp, extra)
+        if self._preflight is None:
+            return request
+        try:
+            rendered = self._preflight(request)
+        except EngineError as exc:
+            raise ProtocolError(error_code(exc), exc.message, event_id=event_id) from None
+        return request if rendered is None else replace(request, rendered=rendered)
+
+    def start_generation(
+        self, resp: Response, request: GenerationRequest | None = None, fresh: bool = True
+    ) -> None:
+        request = request or self._next_request(resp)
+        if fresh:
+            resp.gen_request, resp.gen_token_ids, resp.logged_ids = request, [], 0
+        resp.paused = False
+        resp.generation += 1
+        resp.request_id = request.request_id
+        self._requests[resp.request_id] = resp.id
+        self._out.perform(StartGeneration(resp.id, request))
+
+    def abort_current(self, resp: Response) -> None:
+        if resp.request_id is not None:
+            self._out.perform(AbortGeneration(resp.id, resp.request_id))
+            self._requests.pop(resp.request_id, None)
+            resp.request_id = None
+
+    def _end_generation(self, resp: Response, finish_reason: str) -> None:
+        if finish_reason not in ("stop", "length"):
+            self.finish(
+                resp, ResponseStatus.INCOMPLETE, {"type": "incomplete", "reason": "engine_aborted"}
+            )
+        elif finish_reason == "length" and not resp.params["ignore_eos"]:
+            self.finish(
+                resp,
+                ResponseStatus.INCOMPLETE,
+                {"type": "incomplete", "reason": "max_output_tokens"},
+            )
+        elif resp.calls:
+            self.close_text_item(resp, "completed")
+            self._emit_calls(resp)
+        else:
+            self.finish(resp, ResponseStatus.COMPLETED, None)
+
+    def _emit_calls(self, resp: Response) -> None:
+        """The generation ended in tool calls: check them, then wait for outputs."""
+        tools = {t["name"]: t for t in resp.params["tools"]}
+        calls = [resp.calls[i] for i in sorted(resp.calls)]
+        resp.calls = {}
+        for item in calls:
+            problem = check_arguments(item, tools)
+            if problem is not None:
+                for call in calls:
+                    call["status"] = "incomplete"
+                message = f"call {item['call_id']} to {item['name']!r}: {problem}"
+                self._fail(resp, ErrorCode.INVALID_TOOL_ARGUMENTS, message)
+                return
+        for item in calls:
+            item["status"] = "completed"
+            self.calls[item["call_id"]] = (item, resp.id, False)
+            resp.pending_calls[item["call_id"]] = item
+            self._out.emit(
+                {
+                    "type": ev.RESPONSE_FUNCTION_CALL_ARGUMENTS_DONE,
+                    "response_id": resp.id,
+                    "item_id": item["id"],
+                    "call_id": item["call_id"],
+                    "name": item["name"],
+                    "arguments": item["arguments"],
+                }
+            )
+        resp.status = ResponseStatus.REQUIRES_ACTION
+        self._out.emit(
+            {
+                "type": ev.RESPONSE_REQUIRES_ACTION,
+                "response_id": resp.id,
+                "call_ids": list(resp.pending_calls),
+            }
+        )
+        self.wait_for_tools(resp)
+
+    def wait_for_tools(self, resp: Response) -> None:
+        """Time the wait for tool outputs; `wait_token` tells a stale timer."""
+        resp.wait_token += 1
+        self._out.perform(StartTimer(resp.id, resp.wait_token, resp.params["tool_timeout_s"]))
+
+    def close_text_item(self, resp: Response, status: str) -> Item | None:
+        item = resp.close_text_item(status)
+        if item is not None:
+            self._out.emit(
+                {
+                    "type": ev.RESPONSE_OUTPUT_TEXT_DONE,
+                    "response_id": resp.id,
+                    "item_id": item["id"],
+                    "text": item["content"],
+                }
+            )
+        return item
+
+    def _fail(self, resp: Response, code: ErrorCode, message: str) -> None:
+        self._out.emit(error_event(code, message, event_id=resp.event_id))
+        self.finish(
+            resp,
+            ResponseStatus.FAILED,
+            {"type": "failed", "error": {"code": str(code), "message": message}},
+        )
+
+    def finish(
+        self, resp: Response, status: ResponseStatus, details: dict[str, Any] | None
+    ) -> None:
+        completed = status is ResponseStatus.COMPLETED
+        self.close_text_item(resp, "completed" if completed else "incomplete")
+        resp.drop_partial_calls(self.conversation)
+        resp.pending_calls.clear()
+        resp.status = status
+        resp.status_details = details
+        resp.done_at = self.clock()
+        if self.quota is not None:
+            self.quota.release_response()
+        self._out.emit({"type": ev.RESPONSE_DONE, "response": resp.describe()})
+        # Keep only a bounded record of finished responses.
+        del self.responses[resp.id]
+        self.finished[resp.id] = status.value
+        while len(self.finished) > 256:
+            self.finished.popitem(last=False)
+
+    def receive_call_output(self, raw: s.FunctionCallOutputItem, event_id: str | None) -> None:
+        conv = self.conversation
+        known = self.calls.get(raw.call_id)
+        if known is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_CALL_ID,
+                f"no function call {raw.call_id!r} in this session",
+                event_id=event_id,
+                param="item.call_id",
+            )
+        call_item, response_id, answered = known
+        resp = self.responses.get(response_id)
+        if resp is None and call_item not in conv.items:
+            raise ProtocolError(
+                ErrorCode.RESPONSE_NOT_ACTIVE,
+                f'call {raw.call_id!r} came from a conversation:"none" response that has '
+                "finished; its output has nowhere to go",
+                event_id=event_id,
+                param="item.call_id",
+            )
+        if answered:
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_CALL_OUTPUT,
+                f"call {raw.call_id!r} already has its output",
+                event_id=event_id,
+                param="item.call_id",
+            )
+        item = conv.new_item(raw, event_id)
+        conv.check_room(len(raw.output.encode()), event_id)
+        conv.add_bytes(raw.output)
+        self.calls[raw.call_id] = (call_item, response_id, True)
+        context = resp.context if resp is not None else conv.items
+        previous = context[-1]["id"] if context else None
+        conv.append_to(context, item)
+        self._out.emit(
+            {
+                "type": ev.CONVERSATION_ITEM_CREATED,
+                "previous_item_id": previous,
+                "item": dict(item),
+            },
+            event_id,
+        )
+        if resp is not None and resp.status is ResponseStatus.REQUIRES_ACTION:
+            resp.pending_calls.pop(raw.call_id, None)
+            if not resp.pending_calls:
+                # Every output is in: the same response goes on by itself.
+                resp.status = ResponseStatus.IN_PROGRESS
+                resp.wait_token += 1
+                if resp.tool_choice != "auto":
+                    resp.tool_choice = "none"  # a forced call is made once, not forever
+                self.start_generation(resp)
+
+    def _response_for(self, request_id: str) -> Response | None:
+        response_id = self._requests.get(request_id)
+        return self.responses.get(response_id) if response_id else None
+
+    def find_active(self, response_id: str | None, event_id: str | None, verb: str) -> Response:
+        if response_id is None:
+            active = self.active
+            conv = [r for r in active if r.in_conversation]
+            if len(conv) == 1 or len(active) == 1:
+                return conv[0] if conv else active[0]
+            if not active:
+                raise ProtocolError(
+                    ErrorCode.RESPONSE_NOT_ACTIVE,
+                    f"no active response to {verb}",
+                    event_id=event_id,
+                )
+            raise ProtocolError(
+                ErrorCode.MISSING_FIELD,
+                f"several responses are active; name one with response_id to {verb}",
+                event_id=event_id,
+                param="response_id",
+            )
+        resp = self.responses.get(response_id)
+        if resp is not None:
+            return resp
+        if response_id in self.finished:
+            raise ProtocolError(
+                ErrorCode.RESPONSE_NOT_ACTIVE,
+                f"response {response_id} has already finished",
+                event_id=event_id,
+                param="response_id",
+            )
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_RESPONSE,
+            f"no response {response_id!r} in this session",
+            event_id=event_id,
+            param="response_id",
+        )

@@ -1,0 +1,393 @@
+"""One session and its responses, as a sans-I/O state machine.
+
+Modelled on websockets' `Protocol`: inputs go in through `receive_*`
+methods; the server events to send come out of `events_to_send()` and the
+work to do (engine requests, timers) out of `actions_to_perform()`. Nothing
+here awaits, so every transition is unit-tested without sockets or engines.
+
+Server events come out *without* `seq`; the `Outbox` numbers them as they are
+written, after any merging, so `seq` never has gaps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..engines.base import EngineCapabilities, EngineDelta, EngineError
+from . import events as ev
+from . import schema as s
+from . import snapshot
+from .conversation import Conversation, Item, make_item, new_id
+from .errors import ErrorCode, ProtocolError
+from .events import Action, Outputs
+from .lifecycle import Lifecycle, Preflight, Quota
+from .limits import TokenBucket
+from .response import Response, ResponseStatus
+from .tools import check_tool_choice
+
+# The settings a response takes from the session unless it sets its own.
+_RESPONSE_SETTINGS = (
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "temperature",
+    "max_output_tokens",
+    "tool_timeout_s",
+)
+
+
+@dataclass(slots=True)
+class SessionLimits:
+    max_active_responses: int = 8
+    # Default cap on output tokens when neither session nor response sets one.
+    default_max_output_tokens: int | None = None
+    tool_timeout_s: float = 60.0
+    # Text the conversation may hold (client items and model output); new
+    # input past it is refused, which bounds a session's memory.
+    max_conversation_bytes: int = 1 << 20
+    # Client events per second (burst: twice that); 0 means unlimited.
+    max_events_per_s: float = 0.0
+
+
+class Session:
+    def __init__(
+        self,
+        *,
+        session_id: str | None = None,
+        limits: SessionLimits | None = None,
+        info: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        preflight: Preflight | None = None,
+        capabilities: EngineCapabilities | None = None,
+        quota: Quota | None = None,
+    ) -> None:
+        self.id = session_id or new_id("sess")
+        self.limits = limits or SessionLimits()
+        self.clock = clock
+        # Without an engine's word: what the scripted and vLLM engines can do.
+        capabilities = capabilities or EngineCapabilities(
+            resume_from_token_ids=True, preflight=True
+        )
+        rate = self.limits.max_events_per_s
+        self._events_bucket = TokenBucket(rate, 2 * rate, clock) if rate > 0 else None
+        self.config: dict[str, Any] = {
+            "instructions": None,
+            "tools": [],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "temperature": 1.0,
+            "max_output_tokens": None,
+            "tool_timeout_s": self.limits.tool_timeout_s,
+        }
+        self.info = dict(info or {})
+        self.conversation = Conversation(self.limits.max_conversation_bytes)
+        self._out = Outputs()
+        self.lifecycle = Lifecycle(
+            self._out,
+            self.conversation,
+            clock,
+            capabilities,
+            preflight if capabilities.preflight else None,
+            quota,
+        )
+        # Client frames taken so far (a resume request excepted): a resuming
+        # client resends only what comes after them.
+        self.client_events = 0
+        self.closed = False
+        self._emit({"type": ev.SESSION_CREATED, "session": self.describe()})
+
+    # -- outputs -----------------------------------------------------------
+
+    def events_to_send(self) -> list[dict[str, Any]]:
+        return self._out.take_events()
+
+    def actions_to_perform(self) -> list[Action]:
+        return self._out.take_actions()
+
+    def update_info(self, **info: Any) -> None:
+        """Facts about the session the runtime knows (e.g. its subprotocol)."""
+        self.info.update(info)
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "realtime.session", **self.info, **self.config}
+
+    @property
+    def items(self) -> list[Item]:
+        return self.conversation.items
+
+    @property
+    def history_bytes(self) -> int:
+        return self.conversation.history_bytes
+
+    @property
+    def responses(self) -> dict[str, Response]:
+        return self.lifecycle.responses
+
+    @property
+    def active_responses(self) -> list[Response]:
+        return self.lifecycle.active
+
+    # -- handover (see core.snapshot) ----------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return snapshot.take(self)
+
+    @classmethod
+    def restore(cls, state: dict[str, Any], **kwargs: Any) -> Session:
+        session = cls(session_id=state["id"], **kwargs)
+        snapshot.restore_into(session, state)
+        return session
+
+    def replay_delta(self, event: dict[str, Any]) -> None:
+        snapshot.replay_delta(self, event)
+
+    def progress(self) -> dict[str, list[Any]]:
+        return snapshot.progress(self)
+
+    def restore_progress(self, record: dict[str, list[Any]]) -> None:
+        snapshot.restore_progress(self, record)
+
+    # -- client input ------------------------------------------------------
+
+    def receive_client_event(self, obj: Any) -> None:
+        """Take one client event (internal schema, as a dialect parsed it);
+        bad input becomes an `error` event."""
+        self.client_events += 1
+        try:
+            try:
+                s.check_values(obj)  # dialects' decoders check too; this is the API
+            except ValueError as exc:
+                raise ProtocolError(ErrorCode.MALFORMED_FRAME, str(exc)) from None
+            if self._events_bucket is not None and not self._events_bucket.take():
+                raise ProtocolError(
+                    ErrorCode.RATE_LIMIT_EXCEEDED,
+                    f"more than {self.limits.max_events_per_s:g} events per second; this one "
+                    "was dropped",
+                    event_id=s.event_id_of(obj),
+                )
+            event = s.parse_client_event(obj)
+            self._HANDLERS[event.type](self, event)
+        except ProtocolError as err:
+            self._emit(err.to_event())
+
+    def receive_protocol_error(self, err: ProtocolError, *, frame: bool = True) -> None:
+        """A frame the dialect could not parse; `frame=False` for an error
+        about no frame of this session (a refused resume)."""
+        self.client_events += frame
+        self._emit(err.to_event())
+
+    def _on_session_update(self, ev_: s.SessionUpdate) -> None:
+        update = ev_.session.model_dump(exclude_none=True)
+        tools = update.get("tools", self.config["tools"])
+        choice = update.get("tool_choice", self.config["tool_choice"])
+        check_tool_choice(choice, tools, ev_.event_id, "session.tool_choice")
+        self.config.update(update)
+        self._emit({"type": ev.SESSION_UPDATED, "session": self.describe()}, ev_.event_id)
+
+    def _on_conversation_item_create(self, ev_: s.ConversationItemCreate) -> None:
+        conv = self.conversation
+        conv.check_previous(ev_.previous_item_id, ev_.event_id)
+        if isinstance(ev_.item, s.FunctionCallOutputItem):
+            self.lifecycle.receive_call_output(ev_.item, ev_.event_id)
+            return
+        item = conv.new_item(ev_.item, ev_.event_id)
+        conv.check_room(len(ev_.item.content.encode()), ev_.event_id)
+        conv.add_bytes(ev_.item.content)
+        previous = ev_.previous_item_id or conv.last_id()
+        conv.insert(item, ev_.previous_item_id)
+        self._emit_item_created(item, previous, ev_.event_id)
+
+    def _on_conversation_item_retrieve(self, ev_: s.ConversationItemRetrieve) -> None:
+        item = self.conversation.get(ev_.item_id, ev_.event_id)
+        self._emit({"type": ev.CONVERSATION_ITEM_RETRIEVED, "item": dict(item)}, ev_.event_id)
+
+    def _on_conversation_item_truncate(self, ev_: s.ConversationItemTruncate) -> None:
+        item = self.conversation.truncate(ev_.item_id, ev_.text_end, ev_.event_id)
+        self._emit(
+            {
+                "type": ev.CONVERSATION_ITEM_TRUNCATED,
+                "item_id": item["id"],
+                "text_end": ev_.text_end,
+            },
+            ev_.event_id,
+        )
+
+    def _on_response_create(self, ev_: s.ResponseCreate) -> None:
+        rp, event_id, conv = ev_.response, ev_.event_id, self.conversation
+        in_conversation = rp.conversation == "auto"
+        conv_active = [r for r in self.active_responses if r.in_conversation]
+        if in_conversation and conv_active:
+            raise ProtocolError(
+                ErrorCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,
+                f"response {conv_active[0].id} is still active in this conversation; wait for "
+                'its response.done, cancel it, or use conversation:"none"',
+                event_id=event_id,
+            )
+        if len(self.active_responses) >= self.limits.max_active_responses:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_RESPONSES,
+                f"at most {self.limits.max_active_responses} responses may run at once",
+                event_id=event_id,
+            )
+        given = rp.model_dump(exclude_none=True)
+        params = {key: given.get(key, self.config[key]) for key in _RESPONSE_SETTINGS}
+        params["max_output_tokens"] = (
+            params["max_output_tokens"] or self.limits.default_max_output_tokens
+        )
+        params["ignore_eos"] = rp.ignore_eos
+        check_tool_choice(params["tool_choice"], params["tools"], event_id, "response.tool_choice")
+        raw_inputs = rp.input or []
+        inputs = [
+            conv.new_item(raw, event_id) for raw in raw_inputs if isinstance(raw, s.MessageItem)
+        ]
+        if len({i["id"] for i in inputs}) < len(inputs):
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_ITEM_ID,
+                "two input items share an id",
+                event_id=event_id,
+                param="response.input",
+            )
+        if any(isinstance(raw, s.FunctionCallOutputItem) for raw in raw_inputs):
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                "send function_call_output items with conversation.item.create",
+                event_id=event_id,
+                param="response.input",
+            )
+        resp = Response(
+            id=new_id("resp"),
+            event_id=event_id,
+            in_conversation=in_conversation,
+            params=params,
+            metadata=rp.metadata,
+            context=conv.items if in_conversation else inputs,
+            created_at=self.clock(),
+            tool_choice=params["tool_choice"],
+        )
+        request = self.lifecycle.checked_request(resp, inputs if in_conversation else [], event_id)
+        size = sum(len(i["content"].encode()) for i in inputs)
+        conv.check_room(size, event_id)
+        # Last check: from here on the response exists and holds its slot.
+        quota = self.lifecycle.quota
+        if quota is not None and (problem := quota.acquire_response()):
+            raise ProtocolError(problem[0], problem[1], event_id=event_id)
+        conv.history_bytes += size
+        if in_conversation:
+            for item in inputs:
+                previous = conv.last_id()
+                conv.insert(item)
+                self._emit_item_created(item, previous, None)
+        self.lifecycle.add(resp, request)
+
+    def _on_response_cancel(self, ev_: s.ResponseCancel) -> None:
+        resp = self.lifecycle.find_active(ev_.response_id, ev_.event_id, "cancel")
+        self.lifecycle.abort_current(resp)
+        self.lifecycle.finish(
+            resp, ResponseStatus.CANCELLED, {"type": "cancelled", "reason": "client_cancelled"}
+        )
+
+    def _on_response_steer(self, ev_: s.ResponseSteer) -> None:
+        lifecycle = self.lifecycle
+        resp = lifecycle.find_active(ev_.response_id, ev_.event_id, "steer")
+        if resp.status is not ResponseStatus.IN_PROGRESS:
+            raise ProtocolError(
+                ErrorCode.INVALID_STATE,
+                f"response {resp.id} is {resp.status.value}; only a generating response can be "
+                "steered (send the pending function_call_output items instead)",
+                event_id=ev_.event_id,
+            )
+        conv = self.conversation
+        conv.check_room(len(ev_.input.encode()), ev_.event_id)
+        steer_item = make_item({"type": "message", "role": "user", "content": ev_.input})
+        # The partial text is already in the context; the steer goes after it.
+        # Check that exact request first, so a steer that cannot fit leaves
+        # the running generation alone.
+        request = lifecycle.checked_request(resp, [steer_item], ev_.event_id)
+        conv.add_bytes(ev_.input)
+        lifecycle.abort_current(resp)
+        previous = lifecycle.close_text_item(resp, "incomplete")
+        resp.drop_partial_calls(conv)
+        conv.append_to(resp.context, steer_item)
+        self._emit(
+            {
+                "type": ev.RESPONSE_STEERED,
+                "response_id": resp.id,
+                "previous_item_id": previous["id"] if previous else None,
+                "item": dict(steer_item),
+            },
+            ev_.event_id,
+        )
+        lifecycle.start_generation(resp, request)
+
+    def _on_session_resume(self, ev_: s.SessionResume) -> None:
+        raise ProtocolError(
+            ErrorCode.INVALID_STATE,
+            "session.resume must be the first event on a new connection",
+            event_id=ev_.event_id,
+        )
+
+    _HANDLERS: ClassVar[dict[str, Callable[[Session, Any], None]]] = {
+        ev.SESSION_UPDATE: _on_session_update,
+        ev.CONVERSATION_ITEM_CREATE: _on_conversation_item_create,
+        ev.CONVERSATION_ITEM_RETRIEVE: _on_conversation_item_retrieve,
+        ev.CONVERSATION_ITEM_TRUNCATE: _on_conversation_item_truncate,
+        ev.RESPONSE_CREATE: _on_response_create,
+        ev.RESPONSE_CANCEL: _on_response_cancel,
+        ev.RESPONSE_STEER: _on_response_steer,
+        ev.SESSION_RESUME: _on_session_resume,
+    }
+
+    # -- engine, timers, and the client's pace --------------------------------
+
+    def receive_engine_output(self, request_id: str, delta: EngineDelta) -> None:
+        self.lifecycle.receive_engine_output(request_id, delta)
+
+    def receive_engine_error(self, request_id: str, exc: EngineError) -> None:
+        self.lifecycle.receive_engine_error(request_id, exc)
+
+    def receive_timeout(self, response_id: str, token: int) -> None:
+        self.lifecycle.receive_timeout(response_id, token)
+
+    def pause(self) -> list[str]:
+        """The client is too far behind: free the engine slots of its text
+        generations. Returns the ids of the responses paused."""
+        return self.lifecycle.pause()
+
+    def resume(self) -> list[str]:
+        """The client drained (or the session was taken over): continue
+        paused generations after their tokens."""
+        return self.lifecycle.resume()
+
+    def suspend(self) -> None:
+        """Stop every generation without ending its response: the session is
+        handed to another instance, which restores it and calls resume()."""
+        self.lifecycle.suspend()
+
+    def abandon(self) -> None:
+        """Another instance owns this session now: stop and forget its responses."""
+        self.lifecycle.abandon()
+        self.closed = True
+
+    def close(self) -> None:
+        """The client went away: stop every generation it owns."""
+        self.lifecycle.close()
+        self.closed = True
+
+    # -- internals -------------------------------------------------------------
+
+    def _emit(self, event: dict[str, Any], event_id: str | None = None) -> None:
+        self._out.emit(event, event_id)
+
+    def _emit_item_created(self, item: Item, previous: str | None, event_id: str | None) -> None:
+        self._emit(
+            {
+                "type": ev.CONVERSATION_ITEM_CREATED,
+                "previous_item_id": previous,
+                "item": dict(item),
+            },
+            event_id,
+        )

@@ -1,0 +1,173 @@
+"""A session as data another instance can continue from: snapshot, restore,
+and the replay of what was logged after the snapshot.
+
+A snapshot is taken when the conversation's structure changes; text produced
+after it is carried by the logged delta events (`replay_delta`), and token
+ids by the log's progress records (`progress`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from ..engines.base import GenerationRequest
+from . import events as ev
+from .response import Response, ResponseStatus
+
+if TYPE_CHECKING:
+    from .session import Session
+
+# Not kept: the engine renders the prompt again where it continues.
+_REQUEST_FIELDS = [f.name for f in fields(GenerationRequest) if f.name != "rendered"]
+
+
+def take(session: Session) -> dict[str, Any]:
+    """Everything needed to continue `session` elsewhere, JSON-shaped."""
+    now, wall = session.clock(), time.time()
+    return {
+        "id": session.id,
+        "config": session.config,
+        "info": session.info,
+        "items": session.conversation.items,
+        "history_bytes": session.conversation.history_bytes,
+        "client_events": session.client_events,
+        "finished": list(session.lifecycle.finished.items()),
+        "calls": {
+            cid: [item["id"], rid, done]
+            for cid, (item, rid, done) in session.lifecycle.calls.items()
+        },
+        "responses": [_response_state(r, now, wall) for r in session.active_responses],
+    }
+
+
+def restore_into(session: Session, state: dict[str, Any]) -> None:
+    """Make a fresh `session` the one `state` describes. Its generations are
+    paused (no engine request runs); `Session.resume()` continues them."""
+    session.events_to_send()  # no session.created: the client knows this session
+    session.config.update(state["config"])
+    session.info.update({k: v for k, v in state["info"].items() if k != "subprotocol"})
+    conv = session.conversation
+    conv.items = state["items"]
+    conv.by_id = {it["id"]: it for it in conv.items}
+    conv.history_bytes = state["history_bytes"]
+    session.client_events = state.get("client_events", 0)
+    lifecycle = session.lifecycle
+    lifecycle.finished = OrderedDict((rid, status) for rid, status in state["finished"])
+    now, wall = session.clock(), time.time()
+    for rs in state["responses"]:
+        resp = _restore_response(session, rs, now, wall)
+        lifecycle.responses[resp.id] = resp
+        if lifecycle.quota is not None:
+            lifecycle.quota.acquire_response()  # released when it finishes, like any response
+        if resp.status is ResponseStatus.REQUIRES_ACTION:
+            lifecycle.wait_for_tools(resp)
+    for cid, (item_id, rid, done) in state["calls"].items():
+        item = conv.by_id.get(item_id)
+        if item is not None:
+            lifecycle.calls[cid] = (item, rid, done)
+
+
+def _restore_response(session: Session, rs: dict[str, Any], now: float, wall: float) -> Response:
+    conv = session.conversation
+    context = conv.items if rs["in_conversation"] else rs["context"]
+    for item in context:
+        conv.by_id[item["id"]] = item
+    by_id = {it["id"]: it for it in context}
+    req = rs["gen_request"]
+    status = ResponseStatus(rs["status"])
+    return Response(
+        id=rs["id"],
+        event_id=rs["event_id"],
+        in_conversation=rs["in_conversation"],
+        params=rs["params"],
+        metadata=rs["metadata"],
+        context=context,
+        created_at=now - (wall - rs["created_wall"]),
+        tool_choice=rs["tool_choice"],
+        status=status,
+        output=[by_id[i] for i in rs["output"]],
+        current_item=by_id.get(rs["current_item"] or ""),
+        calls={int(k): by_id[v] for k, v in rs["calls"].items()},
+        pending_calls={cid: by_id[iid] for cid, iid in rs["pending_calls"].items()},
+        gen_request=GenerationRequest(**req) if req else None,
+        gen_token_ids=rs["gen_token_ids"],
+        paused=status is ResponseStatus.IN_PROGRESS,
+        generation=rs["generation"],
+        wait_token=rs["wait_token"],
+        input_tokens=rs["input_tokens"],
+        cached_tokens=rs["cached_tokens"],
+        output_tokens=rs["output_tokens"],
+        first_token_at=None
+        if rs["first_token_wall"] is None
+        else now - (wall - rs["first_token_wall"]),
+    )
+
+
+def _response_state(resp: Response, now: float, wall: float) -> dict[str, Any]:
+    req = resp.gen_request
+    resp.logged_ids = len(resp.gen_token_ids)
+    return {
+        "id": resp.id,
+        "event_id": resp.event_id,
+        "in_conversation": resp.in_conversation,
+        "params": resp.params,
+        "metadata": resp.metadata,
+        "context": [] if resp.in_conversation else resp.context,
+        # Wall clock: the instance that restores it has its own monotonic clock.
+        "created_wall": wall - (now - resp.created_at),
+        "tool_choice": resp.tool_choice,
+        "status": resp.status.value,
+        "output": [item["id"] for item in resp.output],
+        "current_item": resp.current_item["id"] if resp.current_item else None,
+        "calls": {str(i): item["id"] for i, item in resp.calls.items()},
+        "pending_calls": {cid: item["id"] for cid, item in resp.pending_calls.items()},
+        "gen_request": None if req is None else {f: getattr(req, f) for f in _REQUEST_FIELDS},
+        "gen_token_ids": resp.gen_token_ids,
+        "generation": resp.generation,
+        "wait_token": resp.wait_token,
+        "input_tokens": resp.input_tokens,
+        "cached_tokens": resp.cached_tokens,
+        "output_tokens": resp.output_tokens,
+        "first_token_wall": None
+        if resp.first_token_at is None
+        else wall - (now - resp.first_token_at),
+    }
+
+
+def replay_delta(session: Session, event: dict[str, Any]) -> None:
+    """Fold a logged delta (sent after the snapshot) back into the state."""
+    resp = session.responses.get(event.get("response_id", ""))
+    if resp is None:
+        return
+    conv = session.conversation
+    if event["type"] == ev.RESPONSE_OUTPUT_TEXT_DELTA:
+        resp.append_text(conv, event["delta"], event["item_id"])
+    elif event["type"] == ev.RESPONSE_FUNCTION_CALL_ARGUMENTS_DELTA:
+        index = next(
+            (i for i, c in resp.calls.items() if c["id"] == event["item_id"]), len(resp.calls)
+        )
+        resp.append_call_chunk(
+            conv, index, event["name"], event["delta"], event["item_id"], event["call_id"]
+        )
+
+
+def progress(session: Session) -> dict[str, list[Any]]:
+    """What the logged deltas do not say: per active response, its output
+    tokens and the token ids added since the last call (or snapshot)."""
+    out: dict[str, list[Any]] = {}
+    for r in session.responses.values():
+        if r.active and len(r.gen_token_ids) > r.logged_ids:
+            out[r.id] = [r.output_tokens, r.logged_ids, r.gen_token_ids[r.logged_ids :]]
+            r.logged_ids = len(r.gen_token_ids)
+    return out
+
+
+def restore_progress(session: Session, record: dict[str, list[Any]]) -> None:
+    for rid, (output_tokens, start, token_ids) in record.items():
+        resp = session.responses.get(rid)
+        if resp is not None:
+            resp.output_tokens = output_tokens
+            resp.gen_token_ids = resp.gen_token_ids[:start] + list(token_ids)

@@ -1,0 +1,86 @@
+"""Tools: tool_choice checks, the engine's view of the tools, and the check
+of the arguments a model produced."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+
+from .errors import ErrorCode, ProtocolError
+from .schema import NamedToolChoice
+
+
+def check_tool_choice(
+    choice: Any, tools: list[dict[str, Any]], event_id: str | None, param: str
+) -> None:
+    names = {t["name"] for t in tools}
+    if isinstance(choice, dict | NamedToolChoice):
+        name = choice["name"] if isinstance(choice, dict) else choice.name
+        if name not in names:
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"tool_choice names {name!r}, which is not among the tools "
+                f"({sorted(names) or 'none defined'})",
+                event_id=event_id,
+                param=param,
+            )
+    elif choice == "required" and not names:
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD,
+            'tool_choice "required" needs at least one tool',
+            event_id=event_id,
+            param=param,
+        )
+
+
+def engine_tools(
+    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], parallel: bool
+) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any]]:
+    """The tools in chat-completions shape (None when there are none to offer)
+    and the tool_choice the engine gets."""
+    offered = None
+    if tools and tool_choice != "none":
+        offered = [
+            {
+                "type": "function",
+                "function": {k: t[k] for k in ("name", "description", "parameters") if t.get(k)},
+            }
+            for t in tools
+        ]
+    if tool_choice == "required" and not parallel:
+        tool_choice = "required_single"
+    return offered, tool_choice
+
+
+def _skip(validator: Any, value: Any, instance: Any, schema: Any) -> None:
+    return None
+
+
+# Client-supplied regexes would run against model output here, and Python's
+# re has no time limit, so "pattern" is not checked by us (structured
+# outputs enforce it while generating forced calls).
+_ArgumentsValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator, {"pattern": _skip, "patternProperties": _skip}
+)
+
+
+def check_arguments(item: dict[str, Any], tools: dict[str, dict[str, Any]]) -> str | None:
+    """What is wrong with a call the model made, or None."""
+    tool = tools.get(item["name"])
+    if tool is None:
+        return "the model called a tool that is not defined"
+    try:
+        arguments = json.loads(item["arguments"])
+    except ValueError as exc:
+        return f"the arguments are not valid JSON ({exc})"
+    try:
+        error = jsonschema.exceptions.best_match(
+            _ArgumentsValidator(tool["parameters"]).iter_errors(arguments)
+        )
+    except Exception as exc:  # an unresolvable $ref, a broken schema: the client's tool
+        return f"the tool's parameters schema cannot be used: {type(exc).__name__}: {exc}"
+    if error is not None:
+        return f"the arguments fail the tool's schema: {error.message}"
+    return None

@@ -1,0 +1,1 @@
+"""The asyncio layer: one concept a module."""

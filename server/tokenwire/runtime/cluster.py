@@ -1,0 +1,70 @@
+"""A session among several instances (with Redis): operations a follower
+forwards to the owner, the hand-over when an instance drains, and the
+continuation of a session taken over from a dead owner."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..wire.close_codes import CLOSE_SERVICE_RESTART
+from .session_runtime import GONE, RuntimeState, SessionRuntime
+
+
+def receive_forwarded(rt: SessionRuntime, op: str, data: Any, follower: str) -> None:
+    """An op from the instance whose client follows this session."""
+    if op == "attach":
+        ws = rt.ws if rt.state is RuntimeState.ATTACHED else None
+        rt.follower = follower
+        rt.state = RuntimeState.REMOTE
+        if ws is not None and ws.transport is not None:
+            ws.transport.abort()  # the client has moved on from that socket
+            # Frames that socket already received are still taken; count
+            # them in session.resumed's client_events, so none is resent.
+            if rt.resuming is not None:
+                rt.resuming.cancel()
+            rt.resuming = asyncio.get_running_loop().create_task(
+                _resumed_after_detach(rt, data["last_seq"])
+            )
+        else:
+            _resumed_remotely(rt, data["last_seq"])
+    elif op == "frame" and rt.state is RuntimeState.REMOTE:
+        rt.receive(data)
+    elif op == "detach" and rt.state is RuntimeState.REMOTE:
+        rt.state = RuntimeState.DETACHED
+
+
+async def _resumed_after_detach(rt: SessionRuntime, last_seq: int) -> None:
+    await rt.detached.wait()
+    if rt.state is RuntimeState.REMOTE:
+        _resumed_remotely(rt, last_seq)
+
+
+def _resumed_remotely(rt: SessionRuntime, last_seq: int) -> None:
+    """The follower replays the log itself: all after last_seq counts."""
+    rt.push_resumed(last_seq, max(rt.delivery.logged_seq - last_seq, 0))
+
+
+def continue_restored(rt: SessionRuntime) -> None:
+    """A taken-over session: continue its generations (logged while no
+    socket is attached) and re-arm its tool timeouts."""
+    rt.session.resume()
+    rt.pump()
+    rt.delivery.start_writer()
+
+
+async def hand_over(rt: SessionRuntime) -> None:
+    """Drain: stop the generations here and leave the session, snapshot and
+    log complete in the durable log, for another instance to continue."""
+    assert rt.delivery.log.durable
+    if rt.state in GONE:
+        return
+    rt.cancel_timers()
+    rt.session.suspend()
+    rt.pump()
+    await rt.wait_generations()
+    await rt.delivery.hand_over(rt.session.snapshot)
+    rt.state = RuntimeState.HANDED_OVER
+    await rt.delivery.close_socket(CLOSE_SERVICE_RESTART, "draining; resume the session")
+    rt.detached.set()
+    rt.log.info("session_handed_over", last_seq=rt.delivery.logged_seq)

@@ -1,0 +1,435 @@
+"""Delivery: a session's events from its outbox, through its event log, to
+the socket attached to it, bufferedAmount-style.
+
+`buffered_amount` is the socket's write buffer plus the outbox. Above the
+high-water mark deltas are merged; above the hard cap (or when the writer
+has been blocked for `stall_s`) the owner pauses its generations, freeing
+their engine slots, and the socket stops reading from the client; once the
+client has read it all they resume. A client blocked for
+`slow_client_timeout_s` is closed with 4008.
+
+While the client keeps up (its socket buffer empty, nothing queued) and the
+log is not durable, events skip the outbox and the writer task: they are
+framed and written by the task that produced them, one write per batch.
+With a durable log (Redis) every event is flushed to the log before it
+reaches the socket, and logging goes on while no socket is attached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
+
+from ..core.outbox import Outbox
+from ..storage.eventlog import EventLog, Fenced, Frame, LogState
+from ..wire import Dialect
+from ..wire.close_codes import CLOSE_SLOW_CLIENT
+from .socket import close_or_abort, unless_closed
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """The backpressure settings (see config.ServerConfig)."""
+
+    high_water: int
+    hard_cap: int
+    stall_s: float
+    slow_client_timeout_s: float
+    sndbuf: int = 0
+
+
+class DeliveryOwner(Protocol):
+    """What delivery asks of the runtime that owns the session."""
+
+    def fall_behind(self, why: str) -> None:
+        """The client is too far behind: pause its generations."""
+
+    def caught_up(self) -> None:
+        """The client read everything: resume what was paused."""
+
+    def slow_client(self) -> None:
+        """The client stopped reading for good: end what it owns."""
+
+    def log_state(self, events: list[dict[str, Any]]) -> LogState:
+        """What a durable log keeps beside these events."""
+        ...
+
+    def lost_ownership(self) -> Awaitable[None]:
+        """Another instance took the session over."""
+        ...
+
+
+class Delivery:
+    def __init__(
+        self,
+        owner: DeliveryOwner,
+        log: EventLog,
+        dialect: Dialect,
+        pace: Pace,
+        *,
+        logged_seq: int = 0,
+    ) -> None:
+        self._owner = owner
+        self.log = log
+        self.dialect = dialect
+        self.pace = pace
+        # The last seq logged, and the last one the attached socket was sent.
+        self.logged_seq = logged_seq
+        self.sent_seq = 0
+        self.outbox = Outbox(first_seq=logged_seq + 1)
+        self.ws: ServerConnection | None = None
+        self.live = False  # the attached socket is past its replay
+        self.paused = False  # the owner paused generations for this client
+        self.closed_for: str | None = None  # why we closed the socket ourselves
+        self.stopped = False  # the session ended or moved: log nothing more
+        self._writer: asyncio.Task[None] | None = None
+        self._log_lock = asyncio.Lock()  # one durable batch at a time, in seq order
+        self._wakeup = asyncio.Event()
+        self.drained = asyncio.Event()  # set while below the hard cap
+        self.drained.set()
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._slow_timer: asyncio.TimerHandle | None = None
+        self._closer: asyncio.Task[None] | None = None
+        # Events sent by each path: straight from the producing task, or by the writer.
+        self.sent_directly = 0
+        self.sent_by_writer = 0
+
+    @property
+    def clocks_running(self) -> bool:
+        """The stall or slow-client clock runs: the client is behind."""
+        return self._stall_timer is not None or self._slow_timer is not None
+
+    @property
+    def buffered_amount(self) -> int:
+        """Bytes waiting for the client: the socket's write buffer plus our queue."""
+        transport = self.ws.transport if self.ws is not None else None
+        sent = transport.get_write_buffer_size() if transport is not None else 0
+        return sent + self.outbox.pending_bytes
+
+    # -- the socket ------------------------------------------------------------
+
+    def attach(self, ws: ServerConnection, dialect: Dialect) -> None:
+        self.ws, self.dialect = ws, dialect
+        if self.pace.sndbuf and ws.transport is not None:
+            sock = ws.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.pace.sndbuf)
+
+    async def replay(self, last_seq: int) -> int:
+        """Resend what came after last_seq, then go live; returns how many."""
+        assert self.ws is not None
+        self.sent_seq = last_seq
+        replayed = 0
+        # A durable log may be written meanwhile: read until caught up with
+        # it, then go live with no await in between.
+        while self.sent_seq < self.logged_seq:
+            frames = await self.log.read(self.sent_seq)
+            if not frames:
+                break
+            for seq, frame in frames:
+                if seq <= self.sent_seq:
+                    continue
+                await self.ws.send(self.dialect.from_logged(frame))
+                self.sent_seq = seq
+                replayed += 1
+        self.live = True
+        return replayed
+
+    def go_live(self) -> None:
+        """A new session's socket: nothing to replay."""
+        self.sent_seq = self.logged_seq
+        self.live = True
+
+    async def detach(self) -> None:
+        self.live = False
+        if not self.log.durable:
+            # Nothing is written while detached: events wait in the outbox
+            # (and pause generation at the hard cap).
+            await self.stop_writer()
+        self._stop_clocks()
+        self.ws = None
+
+    async def logged_after(self, seq: int) -> list[tuple[int, Frame]]:
+        """Logged frames after `seq`, for the attached socket's dialect."""
+        return [(s, self.dialect.from_logged(f)) for s, f in await self.log.read(seq)]
+
+    async def close_socket(self, code: int, reason: str) -> None:
+        if self.ws is not None:
+            await close_or_abort(self.ws, code, reason)
+
+    # -- events in ---------------------------------------------------------------
+
+    def send(self, events: list[dict[str, Any]]) -> None:
+        """Deliver the session's new events: at once if the client keeps up,
+        else through the outbox and the writer task."""
+        ws = self._writable_now()
+        if ws is not None:
+            self._write_now(ws, events)
+        else:
+            self.outbox.extend(events)
+            self._wakeup.set()
+        buffered = self.buffered_amount
+        if buffered > self.pace.high_water:
+            # Only the writer task sees the client catch up and stops the
+            # clocks; a direct write did not wake it.
+            self._wakeup.set()
+            if self.ws is not None:
+                self._arm_clocks()
+            if buffered > self.pace.hard_cap:
+                self._fall_behind("hard_cap")
+
+    def enqueue(self, event: dict[str, Any]) -> None:
+        """An event that waits its turn behind everything queued, for the writer."""
+        self.outbox.push(event)
+        self._wakeup.set()
+
+    def send_first(self, event: dict[str, Any]) -> None:
+        """An event that goes ahead of everything queued (session.resumed)."""
+        self.outbox.push_front(event)
+        self._wakeup.set()
+
+    def _writable_now(self) -> ServerConnection | None:
+        """The socket, when events may skip the queue and the writer task: no
+        log to write first, nothing queued ahead, and a client that keeps up
+        (the socket's buffer is empty)."""
+        ws = self.ws
+        if (
+            ws is None
+            or not self.live
+            or self.log.durable
+            or len(self.outbox)
+            or self.behind()
+            or ws.protocol.state is not State.OPEN
+            or ws.transport is None
+            or ws.transport.is_closing()
+            or ws.transport.get_write_buffer_size()
+        ):
+            return None
+        return ws
+
+    def _write_now(self, ws: ServerConnection, events: list[dict[str, Any]]) -> None:
+        """Frame and write `events` in one go, without a task switch per event.
+
+        What `ws.send` does for one frame, minus its wait for the buffer to
+        drain (the buffer is empty, and the caller checks buffered_amount).
+        Order holds because `ws.send` too writes its frame before it first
+        awaits, and we never send fragmented messages."""
+        protocol = ws.protocol
+        for event in events:
+            self.outbox.number(event)
+            frame = self._log_frame(event)
+            self.sent_seq = event["seq"]
+            if isinstance(frame, bytes):
+                protocol.send_binary(frame)
+            else:
+                protocol.send_text(frame.encode())
+        ws.transport.writelines(protocol.data_to_send())
+        self.sent_directly += len(events)
+
+    def _log_frame(self, event: dict[str, Any]) -> Frame:
+        """Encode a numbered event and append it to the log."""
+        frame = self.dialect.encode(event)
+        self.log.append(event["seq"], event, frame)
+        self.logged_seq = event["seq"]
+        return frame
+
+    # -- backpressure ------------------------------------------------------------
+
+    def behind(self) -> bool:
+        """The client fell behind and has not been seen to catch up (the
+        writer task's `_caught_up` ends this)."""
+        return self.paused or self.clocks_running or not self.drained.is_set()
+
+    def _arm_clocks(self) -> None:
+        """The client is behind: from now on it has stall_s, then slow_client_timeout_s."""
+        if self._stall_timer is None and self._slow_timer is None:
+            loop = asyncio.get_running_loop()
+            self._stall_timer = loop.call_later(self.pace.stall_s, self._on_stall)
+            self._slow_timer = loop.call_later(
+                self.pace.slow_client_timeout_s, self._on_slow_client
+            )
+
+    def _stop_clocks(self) -> None:
+        for timer in (self._stall_timer, self._slow_timer):
+            if timer is not None:
+                timer.cancel()
+        self._stall_timer = self._slow_timer = None
+
+    def _fall_behind(self, why: str) -> None:
+        if self.drained.is_set():  # newly behind: compact once, not on every event
+            self.drained.clear()
+            self.outbox.compact()
+        # Every time, though: a frame read just before the pause may have
+        # started a generation.
+        self._owner.fall_behind(why)
+
+    def _on_stall(self) -> None:
+        self._stall_timer = None
+        self._fall_behind("stall")
+
+    def _on_slow_client(self) -> None:
+        self._slow_timer = None
+        # Free what it holds now; the close frame may never be read.
+        self.outbox.clear()
+        self._owner.slow_client()
+        self.closed_for = "slow_client"
+        if self.ws is not None:
+            self._closer = asyncio.get_running_loop().create_task(
+                close_or_abort(self.ws, CLOSE_SLOW_CLIENT, "client is not reading")
+            )
+
+    def _caught_up(self) -> None:
+        """The writer emptied the queue and the socket accepted it all."""
+        self._stop_clocks()
+        self.drained.set()
+        if self.paused:
+            self.paused = False
+            self._owner.caught_up()
+
+    async def wait_socket_below(self, low: int) -> None:
+        """Wait, without polling, until the socket's write buffer is at most `low`."""
+        assert self.ws is not None
+        transport = self.ws.transport
+        if transport is None or transport.get_write_buffer_size() <= low:
+            return
+        # Lowering the transport's limits pauses the protocol now and resumes
+        # it once the buffer falls to `low`; websockets' drain() waits for that.
+        limits = transport.get_write_buffer_limits()  # (low, high)
+        transport.set_write_buffer_limits(high=low, low=low)
+        try:
+            await unless_closed(self.ws, self.ws.drain())
+        finally:
+            if not transport.is_closing():
+                transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+
+    # -- the writer task ---------------------------------------------------------
+
+    def start_writer(self) -> None:
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_loop())
+        self._wakeup.set()  # events may have queued up meanwhile
+
+    async def stop_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                try:
+                    await self._write_queued()
+                    ws = self.ws if self.live else None
+                    if ws is None:
+                        if self.log.durable and (self.paused or not self.drained.is_set()):
+                            self._caught_up()  # the log took it all: generate on
+                        continue
+                    if self.behind():
+                        # The queue is empty, but the socket may still hold what
+                        # the client has not read: wait until it has.
+                        await self.wait_socket_below(self.pace.high_water // 2)
+                        if len(self.outbox):
+                            self._wakeup.set()  # events queued meanwhile: send them first
+                            continue
+                        self._caught_up()
+                except (ConnectionClosed, OSError):
+                    self.live = False
+                    self.drained.set()  # never leave the reader waiting on a dead socket
+                    if not self.log.durable:
+                        return
+                    self._wakeup.set()  # keep logging what is queued
+        except Fenced:
+            await self._owner.lost_ownership()
+        finally:
+            self.drained.set()
+
+    async def _write_queued(self) -> None:
+        """Log what is queued, then send it to the socket if one is live."""
+        while True:
+            ws = self.ws if self.live else None
+            if ws is None and not self.log.durable:
+                return  # events wait in the outbox for a socket
+            behind = ws is not None and self.buffered_amount > self.pace.high_water
+            if self.log.durable:
+                # Shielded: a batch once popped is always logged, even if the
+                # writer is cancelled meanwhile (it then holds the lock until done).
+                batch = await asyncio.shield(self._locked_log_batch(behind))
+            else:
+                # One event at a time: what queues meanwhile merges into the next.
+                event = self.outbox.pop(merge=behind)
+                batch = [] if event is None else [(event, self._log_frame(event))]
+            if not batch:
+                return
+            if behind:
+                self._arm_clocks()  # the send below may block on a slow reader
+            await self._send_batch(batch)
+
+    async def _send_batch(self, batch: list[tuple[dict[str, Any], Frame]]) -> None:
+        dialect = self.dialect
+        for event, frame in batch:
+            ws = self.ws if self.live else None
+            seq = event["seq"]
+            if ws is None or seq <= self.sent_seq:
+                continue  # no socket, or the replay sent it already
+            self.sent_seq = seq
+            if self.dialect is not dialect:  # another socket took over meanwhile
+                frame = self.dialect.encode(event)
+            await ws.send(frame)
+            self.sent_by_writer += 1
+
+    async def _locked_log_batch(self, merge: bool) -> list[tuple[dict[str, Any], Frame]]:
+        async with self._log_lock:
+            if self.stopped:
+                return []
+            return await self.log_batch(merge)
+
+    async def log_batch(self, merge: bool) -> list[tuple[dict[str, Any], Frame]]:
+        """Pop everything queued, append it to the log and flush it."""
+        events = []
+        while (event := self.outbox.pop(merge=merge)) is not None:
+            events.append(event)
+        if not events:
+            return []
+        # Taken before any await, so they match the events exactly.
+        batch = [(e, self._log_frame(e)) for e in events]
+        await self.log.flush(self._owner.log_state(events))
+        return batch
+
+    async def hand_over(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """Log the last events, then a final snapshot (taken after them), and
+        give the live socket what it has not had (best effort)."""
+        await self.stop_writer()
+        async with self._log_lock:
+            try:
+                batch = await self.log_batch(merge=False)
+                # Nothing pending now: this writes the snapshot alone.
+                await self.log.flush(LogState(snapshot(), {}, 0))
+            except Fenced:
+                batch = []
+            self.stopped = True
+        with contextlib.suppress(Exception):
+            await self._send_batch(batch)
+        if self.live and self.ws is not None:
+            # Let the socket take the last frames before the close.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.wait_socket_below(0), 1)
+
+    async def stop(self) -> None:
+        """The session ended: nothing more goes anywhere."""
+        self._stop_clocks()
+        await self.stop_writer()
+        self.stopped = True
+        self.outbox.clear()
+        self.log.clear()

@@ -1,0 +1,291 @@
+"""The server: its lifecycle (start, drain, close) and the life of each
+WebSocket connection, from admission to the session it ends in."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import signal
+from http import HTTPStatus
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.http11 import Request, Response
+
+from .. import metrics
+from ..config import ServerConfig
+from ..engines import Engine, create_engine
+from ..logs import get_logger
+from ..runtime import cluster
+from ..runtime.follower import Follower
+from ..runtime.session_runtime import GONE, RuntimeState, SessionRuntime
+from ..runtime.socket import ClientSocket, Handoff, Outcome
+from ..storage.redis import RedisStore
+from ..wire import dialect_for, select_subprotocol
+from ..wire.close_codes import CLOSE_TRY_AGAIN_LATER
+from .admission import Admission
+from .http import http_response, json_response, static_route
+from .registry import Registry
+
+log = get_logger("tokenwire.server")
+
+REALTIME_PATH = "/v1/realtime"
+
+
+class TokenwireServer:
+    def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
+        self.config = config
+        self.engine = engine or create_engine(config)
+        self.connections: set[SessionRuntime] = set()  # sessions with a socket attached
+        self.followers: set[Follower] = set()  # sockets following another instance's session
+        self.admission = Admission(config)
+        self.store = (
+            RedisStore(
+                config.redis_url,
+                ttl_s=config.redis_ttl_s,
+                maxlen=config.redis_maxlen,
+                lease_s=config.lease_s,
+            )
+            if config.redis_url
+            else None
+        )
+        self.registry = Registry(self.engine, config, self.admission.limiter, self.store)
+        self._server: Server | None = None
+        self._engine_task: asyncio.Task[None] | None = None
+        self.draining = False
+
+    @property
+    def sessions(self) -> dict[str, SessionRuntime]:
+        """Every live session of this instance, by id."""
+        return self.registry.sessions
+
+    # -- HTTP -------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        load = self.engine.load()
+        return {
+            "status": "ok",
+            "engine": self.engine.name,
+            "ready": self.engine.ready,
+            "draining": self.draining,
+            "instance_id": self.store.instance_id if self.store else None,
+            "sessions": len(self.sessions),
+            "connections": len(self.connections),
+            "paused_connections": sum(c.paused for c in self.connections),
+            "outbound_buffered_bytes": sum(c.buffered_amount for c in self.connections),
+            "engine_load": {"running": load.running, "waiting": load.waiting, **load.extra},
+        }
+
+    def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == REALTIME_PATH:
+            return self.admission.admit(conn, request, len(self.connections), self.draining)
+        if path == "/metrics":
+            self._update_gauges()
+            body, content_type = metrics.render()
+            return http_response(HTTPStatus.OK, body, content_type)
+        if path == "/healthz":
+            return json_response(HTTPStatus.OK, self.health())
+        if path == "/readyz":
+            # Draining: the load balancer should send new clients elsewhere.
+            ready = self.engine.ready and not self.draining
+            body = {"ready": ready, "engine": self.engine.name, "draining": self.draining}
+            failure = getattr(self.engine, "failure", None)
+            if failure:
+                body["error"] = failure
+            return json_response(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE, body)
+        found = static_route(path)
+        if found is not None:
+            return found
+        return json_response(
+            HTTPStatus.NOT_FOUND,
+            {"error": f"no route {path!r}; the WebSocket endpoint is {REALTIME_PATH}"},
+        )
+
+    def _update_gauges(self) -> None:
+        load = self.engine.load()
+        metrics.ENGINE_QUEUE.labels("running").set(load.running)
+        metrics.ENGINE_QUEUE.labels("waiting").set(load.waiting)
+        metrics.OUTBOUND_BUFFERED.set(sum(c.buffered_amount for c in self.connections))
+
+    # -- WebSocket ----------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        usage = self.admission.connect(ws, len(self.connections))
+        if usage is None:
+            await ws.close(CLOSE_TRY_AGAIN_LATER, "too_many_connections")
+            return
+        dialect = dialect_for(ws.subprotocol)
+        runtime: SessionRuntime | Follower = await self.registry.new_session(usage, ws.subprotocol)
+        resume_from: int | None = None
+        try:
+            while True:
+                outcome = await self._serve(ws, dialect, runtime, resume_from)
+                if not isinstance(outcome, Handoff):
+                    break
+                if isinstance(runtime, SessionRuntime):
+                    # The socket resumes another session; the fresh one never ran.
+                    await self.registry.end_session(runtime)
+                runtime, resume_from = outcome.target, outcome.last_seq
+                if isinstance(runtime, SessionRuntime):
+                    if runtime.state is RuntimeState.ATTACHED and runtime.ws is not None:
+                        runtime.ws.transport.abort()  # its old socket is dead but did not know
+                    await runtime.detached.wait()
+                    if runtime.state in GONE:
+                        await ws.close(1011, "the session ended while resuming")
+                        return
+            if isinstance(runtime, SessionRuntime):
+                if outcome == "lost" and self.config.resume_grace_s > 0 and not self.draining:
+                    # Keep it for a resume; its generations go on meanwhile.
+                    self.registry.arm_expiry(runtime)
+                elif runtime.state is not RuntimeState.HANDED_OVER:
+                    await self.registry.end_session(runtime)
+        finally:
+            self.admission.disconnect(usage)
+
+    async def _serve(
+        self,
+        ws: ServerConnection,
+        dialect: Any,
+        runtime: SessionRuntime | Follower,
+        resume_from: int | None,
+    ) -> Outcome:
+        if isinstance(runtime, Follower):
+            self.followers.add(runtime)
+            try:
+                return await runtime.serve(ws, dialect, resume_from)
+            finally:
+                self.followers.discard(runtime)
+        self.connections.add(runtime)
+        try:
+            socket = ClientSocket(ws, dialect, self.config.idle_timeout_s)
+            return await socket.serve(runtime, resume_from)
+        finally:
+            self.connections.discard(runtime)
+
+    # -- lifecycle ----------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.store is not None:
+            await self.store.start(self.registry.on_forward)
+        self._engine_task = asyncio.create_task(self.engine.start())
+        self._engine_task.add_done_callback(_ignore_result)
+        self._engine_task.add_done_callback(_freeze_heap)
+        self._server = await serve(
+            self._handle,
+            self.config.host,
+            self.config.port,
+            process_request=self._process_request,
+            # Browsers send Origin; other clients send none and pass (None).
+            origins=(
+                [*(o.strip() for o in self.config.allowed_origins.split(",") if o.strip()), None]
+                if self.config.allowed_origins
+                else None
+            ),
+            select_subprotocol=lambda _, offered: select_subprotocol(offered),
+            max_size=self.config.max_message_bytes,
+            compression=None,  # per-message deflate costs CPU per token and memory per socket
+            ping_interval=self.config.ping_interval_s,
+            ping_timeout=self.config.ping_interval_s,
+            # Inbound frames queued before websockets stops reading the socket.
+            max_queue=self.config.max_inbound_frames,
+            # A client that does not answer our close frame (often one that
+            # stopped reading) is dropped after this long.
+            close_timeout=2,
+            # asyncio's default of 100 overflows when thousands of clients
+            # (re)connect at once, e.g. after another instance drained.
+            backlog=4096,
+        )
+        log.info(
+            "listening",
+            url=f"ws://{self.config.host}:{self.port}{REALTIME_PATH}",
+            engine=self.engine.name,
+        )
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    async def wait_engine(self) -> None:
+        if self._engine_task is not None:
+            await asyncio.shield(self._engine_task)
+
+    async def drain(self) -> None:
+        """Graceful shutdown: accept nothing new, tell every client, let
+        responses finish for up to --drain-timeout-s, then hand the rest over
+        (with Redis) or end them."""
+        # Still listening: /readyz says 503 and new WebSocket handshakes get
+        # 503, so a load balancer moves on (nginx: proxy_next_upstream http_503).
+        self.draining = True
+        # With Redis another instance continues a session at once; without,
+        # a new session on a restarted or other instance is the way on.
+        retry_ms = 0 if self.store is not None else int(self.config.drain_timeout_s * 1000)
+        for runtime in list(self.sessions.values()):
+            if runtime.state is RuntimeState.ATTACHED:
+                runtime.going_away("shutdown", retry_ms)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        busy = self.registry.busy()
+        log.info(
+            "draining",
+            sessions=len(self.sessions),
+            active=busy,
+            timeout_s=self.config.drain_timeout_s,
+        )
+        while busy and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            busy = self.registry.busy()
+        runtimes = list(self.sessions.values())
+        await asyncio.gather(*(f.close() for f in list(self.followers)))
+        if self.store is not None:
+            # Concurrently: each waits up to a few seconds for its socket.
+            await asyncio.gather(*(cluster.hand_over(r) for r in runtimes), return_exceptions=True)
+        for runtime in runtimes:
+            await self.registry.end_session(runtime)
+        if self.store is not None:
+            await self.store.release()  # no lease: the others may take over now
+        log.info("drained", handed_over=busy if self.store is not None else 0)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for runtime in list(self.sessions.values()):
+            await self.registry.end_session(runtime)
+        if self._engine_task is not None and not self._engine_task.done():
+            self._engine_task.cancel()
+        await self.engine.close()
+        if self.store is not None:
+            await self.store.close()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting_down")
+        await self.drain()
+        await self.close()
+
+
+def _freeze_heap(_: asyncio.Task[None]) -> None:
+    # What is loaded by now (the model, libraries) lives for the whole process:
+    # keep it out of every later garbage collection, as vLLM's own server does.
+    gc.collect()
+    gc.freeze()
+    # Per-token objects (events, futures, tasks) live for milliseconds; with
+    # the default 700 allocations per young collection many of them get
+    # promoted, and at thousands of sessions full collections of the whole
+    # heap (600-800 ms, measured at 10k sessions) stall the event loop.
+    gc.set_threshold(50_000, 20, 100)
+
+
+def _ignore_result(task: asyncio.Task[None]) -> None:
+    # The failure is logged and reported by the engine; don't warn twice.
+    if not task.cancelled():
+        task.exception()

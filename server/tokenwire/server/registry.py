@@ -1,0 +1,174 @@
+"""Every live session of this instance, by id: creation, resume lookup,
+takeover from a dead owner, the resume grace period, and the end."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .. import metrics
+from ..config import ServerConfig
+from ..core.errors import ErrorCode, ProtocolError
+from ..core.schema import SessionResume
+from ..engines.base import Engine
+from ..runtime import cluster
+from ..runtime.follower import Follower
+from ..runtime.session_runtime import GONE, RuntimeState, SessionRuntime
+from ..storage.eventlog import EventLog, resume_problem
+from ..storage.redis import Meta, RedisStore
+from ..storage.redis_log import RedisLog
+from .admission import KeyUsage, Limiter
+
+
+class Registry:
+    def __init__(
+        self, engine: Engine, config: ServerConfig, limiter: Limiter, store: RedisStore | None
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.limiter = limiter
+        self.store = store
+        self.sessions: dict[str, SessionRuntime] = {}
+        self._expiring: set[asyncio.Task[None]] = set()
+
+    def _log_for(self, session_id: str, logged_seq: int) -> EventLog:
+        assert self.store is not None
+        return RedisLog(self.store, session_id, logged_seq)
+
+    async def new_session(
+        self,
+        usage: KeyUsage,
+        subprotocol: str | None,
+        restored: tuple[dict[str, Any], list[Any]] | None = None,
+    ) -> SessionRuntime:
+        runtime = SessionRuntime(
+            self.engine,
+            self.config,
+            usage,
+            self.find_session,
+            subprotocol,
+            self._log_for if self.store is not None else None,
+            restored,
+        )
+        runtime.on_moved = self.forget
+        self.sessions[runtime.session.id] = runtime
+        if self.store is not None and restored is None:
+            await self.store.register(runtime.session.id, usage.key_id)
+        return runtime
+
+    async def find_session(
+        self, event: SessionResume, key_id: str | None, requester: SessionRuntime
+    ) -> SessionRuntime | Follower:
+        """What serves a resume of `event.session_id` by this key: the local
+        session, or (with Redis) a follower or a takeover of another
+        instance's. Another key's session looks unknown."""
+        sid = event.session_id
+        runtime = self.sessions.get(sid)
+        if runtime is requester:
+            runtime = None
+        if runtime is not None and runtime.state not in GONE:
+            if runtime.key_id != key_id:
+                raise _not_found(event)
+            if problem := await runtime.check_resume(event.last_seq):
+                raise _not_possible(event, problem)
+            return runtime
+        if self.store is None:
+            raise _not_found(event)
+        meta = await self.store.meta(sid)
+        if meta is None or meta.key_id != (key_id or None):
+            raise _not_found(event)
+        bounds = await self.store.bounds(sid)
+        if bounds is not None and (problem := resume_problem(event.last_seq, *bounds)):
+            raise _not_possible(event, problem)
+        if meta.owner != self.store.instance_id and await self.store.alive(meta.owner):
+            return Follower(self.store, sid, meta.owner, self.config.lease_s / 2)
+        taken = await self.take_over(sid, meta)
+        if taken is None:
+            raise _not_found(event)
+        return taken
+
+    async def take_over(self, sid: str, meta: Meta) -> SessionRuntime | None:
+        """Continue a session whose owner (`meta.owner`) is gone, from its
+        snapshot and log."""
+        assert self.store is not None
+        if not await self.store.claim(sid, meta.owner):
+            return None
+        loaded = await self.store.load(sid)
+        if loaded is None:
+            return None
+        usage = self.limiter.usage(meta.key_id or "anonymous")
+        runtime = await self.new_session(usage, None, loaded)
+        runtime.log.info("session_taken_over", previous_owner=meta.owner)
+        metrics.TAKEOVERS.inc()
+        # Generations continue after the tokens the old owner logged; the
+        # events they make are logged even before the client is attached.
+        cluster.continue_restored(runtime)
+        self.arm_expiry(runtime)
+        return runtime
+
+    async def on_forward(self, sid: str, op: str, data: Any, follower: str) -> None:
+        """An op a follower on another instance forwarded to this owner."""
+        runtime = self.sessions.get(sid)
+        if runtime is None or runtime.state in GONE:
+            return
+        if op != "attach" and follower != runtime.follower:
+            return  # from a follower the client has left
+        if op == "close":
+            await self.end_session(runtime)
+            return
+        cluster.receive_forwarded(runtime, op, data, follower)
+        if runtime.state in (RuntimeState.REMOTE, RuntimeState.DETACHED):
+            self.arm_expiry(runtime)  # the follower is alive: the grace period starts over
+
+    def arm_expiry(self, runtime: SessionRuntime) -> None:
+        if runtime.expiry is not None:
+            runtime.expiry.cancel()
+        runtime.expiry = asyncio.get_running_loop().call_later(
+            self.config.resume_grace_s, self._expire, runtime
+        )
+
+    def _expire(self, runtime: SessionRuntime) -> None:
+        if runtime.state in (RuntimeState.DETACHED, RuntimeState.REMOTE):
+            runtime.log.info("resume_grace_over")
+            task = asyncio.get_running_loop().create_task(self.end_session(runtime))
+            self._expiring.add(task)
+            task.add_done_callback(self._expiring.discard)
+
+    async def end_session(self, runtime: SessionRuntime) -> None:
+        self.forget(runtime)
+        if runtime.state is RuntimeState.HANDED_OVER:
+            return  # it lives on elsewhere
+        await runtime.end()
+        if self.store is not None and runtime.state is RuntimeState.ENDED:
+            await self.store.drop(runtime.session.id)
+
+    def forget(self, runtime: SessionRuntime) -> None:
+        """The session ends here, or moved to another instance."""
+        if self.sessions.get(runtime.session.id) is runtime:
+            del self.sessions[runtime.session.id]
+        if runtime.expiry is not None:
+            runtime.expiry.cancel()
+
+    def busy(self) -> int:
+        """Responses running in sessions that are still ours."""
+        return sum(
+            len(r.session.active_responses)
+            for r in self.sessions.values()
+            if r.state is not RuntimeState.HANDED_OVER
+        )
+
+
+def _not_possible(event: SessionResume, problem: str) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.RESUME_NOT_POSSIBLE, problem, event_id=event.event_id, param="last_seq"
+    )
+
+
+def _not_found(event: SessionResume) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.SESSION_NOT_FOUND,
+        f"no session {event.session_id!r} to resume (unknown, or its grace period ended); "
+        "start a new session",
+        event_id=event.event_id,
+        param="session_id",
+    )

@@ -1,0 +1,2 @@
+"""Where sessions live beyond one socket: the per-session event log, and
+(with Redis) the session directory several instances share."""

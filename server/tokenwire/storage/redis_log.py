@@ -1,0 +1,58 @@
+"""One session's event log in Redis Streams (see storage.redis for the keys)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from ..logs import get_logger
+from .eventlog import Frame, LogState
+from .redis import RedisStore, pack
+
+log = get_logger("tokenwire.redis")
+
+
+class RedisLog:
+    durable = True
+
+    def __init__(self, store: RedisStore, session_id: str, last_seq: int = 0) -> None:
+        self.store = store
+        self.session_id = session_id
+        self._pending: list[tuple[int, bytes]] = []
+        self._last_seq = last_seq
+
+    def append(self, seq: int, event: dict[str, Any], frame: Frame) -> None:
+        # Packed now: the event may change once handed on (its items move on).
+        self._pending.append((seq, pack(event)))
+        self._last_seq = seq
+
+    async def flush(self, state: LogState) -> None:
+        entries = self._pending
+        if not entries and state.snapshot is None:
+            return
+        # A snapshot goes with the last event; alone, it describes the log's end.
+        snapshot = None if state.snapshot is None else (self._last_seq, state.snapshot)
+        progress = state.progress if entries else None
+        client_events = state.client_events if entries else None
+        delay = 0.1
+        while True:
+            try:
+                await self.store.append(self.session_id, entries, progress, snapshot, client_events)
+                break
+            except RedisError as exc:
+                # Nothing goes out unlogged; generation pauses at the hard cap meanwhile.
+                log.warning("redis_append_failed", error=str(exc), retry_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self._pending = []
+
+    async def read(self, after: int) -> list[tuple[int, Frame]]:
+        return [(e.seq, e.event) for e in await self.store.read(self.session_id, after)]
+
+    async def bounds(self) -> tuple[int, int] | None:
+        return await self.store.bounds(self.session_id)
+
+    def clear(self) -> None:
+        self._pending = []
