@@ -10,15 +10,35 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..engines.base import GenerationRequest
 from . import events as ev
+from .conversation import Conversation
+from .lifecycle import Lifecycle
 from .response import Response, ResponseStatus
 
-if TYPE_CHECKING:
-    from .session import Session
+
+class Session(Protocol):
+    """The parts of core.session.Session a snapshot reads and restores."""
+
+    id: str
+    config: dict[str, Any]
+    info: dict[str, Any]
+    conversation: Conversation
+    lifecycle: Lifecycle
+    client_events: int
+    clock: Callable[[], float]
+
+    @property
+    def responses(self) -> dict[str, Response]: ...
+
+    @property
+    def active_responses(self) -> list[Response]: ...
+
+    def events_to_send(self) -> list[dict[str, Any]]: ...
 
 # Not kept: the engine renders the prompt again where it continues.
 _REQUEST_FIELDS = [f.name for f in fields(GenerationRequest) if f.name != "rendered"]

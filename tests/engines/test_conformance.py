@@ -1,0 +1,234 @@
+"""The Engine interface's conformance suite: every engine passes it before
+anything else (docs/architecture.md, "Adding an engine").
+
+It runs against the scripted engine and the real vLLM engine (SmolLM2 on the
+CPU, in this process; one engine for the module). It checks what the
+session relies on: deltas with a finish reason on the last, usage on the
+first, max_output_tokens, the preflight and its rendered prompt, resuming
+after token ids, forced tool calls, and that closing the stream frees the
+engine. A capability the engine does not claim is not tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import pytest
+import pytest_asyncio
+
+from tokenwire.config import ServerConfig
+from tokenwire.engines.base import (
+    ContextLengthExceeded,
+    Engine,
+    EngineCapabilities,
+    EngineDelta,
+    EngineUnavailable,
+    GenerationRequest,
+    RequestError,
+)
+from tokenwire.engines.scripted import ScriptedEngine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+_counter = iter(range(1_000_000))
+
+
+def request(text: str = "What is the capital of France?", **kw: object) -> GenerationRequest:
+    fields = {"temperature": 0.0, "max_output_tokens": 16, **kw}
+    return GenerationRequest(
+        request_id=f"conf-{next(_counter)}",
+        messages=[{"role": "user", "content": text}],
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+@pytest_asyncio.fixture(
+    scope="module",
+    loop_scope="module",
+    params=["scripted", pytest.param("vllm", marks=pytest.mark.vllm)],
+)
+async def engine(request: pytest.FixtureRequest) -> AsyncIterator[Engine]:
+    if request.param == "scripted":
+        made: Engine = ScriptedEngine(tokens_per_s=2000)
+    else:
+        from tokenwire.engines.vllm import VllmEngine
+
+        made = VllmEngine(ServerConfig(engine="vllm", kv_cache_gib=1.0, max_model_len=2048))
+    await made.start()
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+async def collect(engine: Engine, req: GenerationRequest) -> list[EngineDelta]:
+    return [delta async for delta in engine.generate(req)]
+
+
+def text_of(deltas: list[EngineDelta]) -> str:
+    return "".join(d.text for d in deltas)
+
+
+async def test_declares_itself(engine: Engine) -> None:
+    assert isinstance(engine.name, str) and engine.name
+    assert isinstance(engine.capabilities, EngineCapabilities)
+    assert engine.ready
+    load = engine.load()
+    assert load.running >= 0 and load.waiting >= 0
+
+
+async def test_stream_shape(engine: Engine) -> None:
+    deltas = await collect(engine, request())
+    assert deltas, "no output at all"
+    assert [d.finish_reason is not None for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].finish_reason in ("stop", "length")
+    # Usage comes with the first delta, and only there.
+    assert deltas[0].prompt_tokens is not None and deltas[0].prompt_tokens > 0
+    assert deltas[0].cached_tokens is not None and deltas[0].cached_tokens >= 0
+    assert all(d.prompt_tokens is None for d in deltas[1:])
+    total = sum(d.output_tokens for d in deltas)
+    assert 1 <= total <= 16
+    assert text_of(deltas).strip()
+    # Token ids, when given, are one per output token.
+    if any(d.token_ids is not None for d in deltas):
+        assert sum(len(d.token_ids or ()) for d in deltas) == total
+
+
+async def test_max_output_tokens_is_exact_with_ignore_eos(engine: Engine) -> None:
+    deltas = await collect(engine, request(max_output_tokens=7, ignore_eos=True))
+    assert sum(d.output_tokens for d in deltas) == 7
+    assert deltas[-1].finish_reason == "length"
+
+
+async def test_preflight_refuses_what_cannot_fit(engine: Engine) -> None:
+    if not engine.capabilities.preflight:
+        pytest.skip(f"{engine.name} claims no preflight")
+    with pytest.raises(ContextLengthExceeded) as caught:
+        engine.preflight(request("word " * 20_000))
+    assert isinstance(caught.value, RequestError) and caught.value.message
+
+
+async def test_preflight_rendering_is_what_generate_uses(engine: Engine) -> None:
+    if not engine.capabilities.preflight:
+        pytest.skip(f"{engine.name} claims no preflight")
+    req = request(max_output_tokens=12)
+    rendered = engine.preflight(req)
+    assert rendered is None or (
+        isinstance(rendered, tuple) and rendered and all(isinstance(t, int) for t in rendered)
+    )
+    plain = await collect(engine, req)
+    carried = await collect(
+        engine, replace(req, request_id=req.request_id + "-r", rendered=rendered)
+    )
+    assert text_of(carried) == text_of(plain)  # temperature 0: the same prompt, the same answer
+    assert carried[0].prompt_tokens == plain[0].prompt_tokens
+
+
+async def test_resume_from_token_ids_continues_exactly(engine: Engine) -> None:
+    if not engine.capabilities.resume_from_token_ids:
+        pytest.skip(f"{engine.name} cannot resume from token ids")
+    whole = await collect(
+        engine, request("Tell me a story.", max_output_tokens=20, ignore_eos=True)
+    )
+    ids = [t for d in whole for t in d.token_ids or ()]
+    assert len(ids) == 20
+    head: list[EngineDelta] = []
+    count = 0
+    for d in whole:  # the deltas that made the first ~8 tokens
+        if count >= 8:
+            break
+        head.append(d)
+        count += d.output_tokens
+    resumed = await collect(
+        engine,
+        request(
+            "Tell me a story.",
+            max_output_tokens=20 - count,
+            ignore_eos=True,
+            resume_token_ids=tuple(ids[:count]),
+        ),
+    )
+    assert sum(d.output_tokens for d in resumed) == 20 - count
+    assert text_of(head) + text_of(resumed) == text_of(whole)
+
+
+async def test_forced_tool_call_streams_valid_arguments(engine: Engine) -> None:
+    req = request(
+        "What is the weather in Paris?",
+        max_output_tokens=64,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
+    deltas = await collect(engine, req)
+    chunks = [c for d in deltas for c in d.tool_calls or ()]
+    assert chunks, "a forced call produced no call"
+    assert {c.index for c in chunks} == {0}
+    assert chunks[0].name == "get_weather"
+    assert all(c.name is None for c in chunks[1:])
+    arguments = json.loads("".join(c.arguments for c in chunks))
+    assert isinstance(arguments, dict) and isinstance(arguments.get("city"), str)
+    assert not text_of(deltas)  # a forced call is not text
+
+
+async def test_closing_the_stream_frees_the_engine(engine: Engine) -> None:
+    stream = engine.generate(
+        request("Tell me a long story.", max_output_tokens=400, ignore_eos=True)
+    )
+    first = await anext(stream)
+    assert first.finish_reason is None
+    await stream.aclose()
+    deadline = time.monotonic() + 10
+    while True:
+        load = engine.load()
+        if load.running == 0 and load.waiting == 0 and load.extra.get("unfinished", 0) == 0:
+            break
+        assert time.monotonic() < deadline, f"still held after aclose(): {load}"
+        await asyncio.sleep(0.02)
+
+
+async def test_cancelling_the_consuming_task_frees_the_engine(engine: Engine) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(
+            request("Count to a thousand.", max_output_tokens=400, ignore_eos=True)
+        ):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 60)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 10
+    while engine.load().running or engine.load().extra.get("unfinished", 0):
+        assert time.monotonic() < deadline, f"still held after cancel: {engine.load()}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.vllm
+async def test_a_failed_engine_is_unavailable_not_a_bad_request() -> None:
+    from tokenwire.engines.vllm import VllmEngine
+
+    broken = VllmEngine(ServerConfig(engine="vllm", model="/nonexistent/model"))
+    with pytest.raises(Exception):  # noqa: B017 - whatever the start failed with
+        await broken.start()
+    assert not broken.ready
+    with pytest.raises(EngineUnavailable):
+        await collect(broken, request())

@@ -1,0 +1,126 @@
+"""The EventLog interface's conformance suite: memory and Redis (a real
+redis-server, started by the tests) behind the same checks, plus what only
+a durable log promises."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import pytest
+
+from tokenwire.storage.eventlog import EventLog, Fenced, LogState, MemoryLog
+from tokenwire.storage.redis import RedisStore, unpack
+from tokenwire.storage.redis_log import RedisLog
+from tokenwire.wire.codec import decode_frame, encode_json
+
+from ..conftest import RedisServer
+
+_ids = iter(range(1_000_000))
+
+
+def event(seq: int) -> dict[str, Any]:
+    return {"type": "response.output_text.delta", "delta": f" t{seq}", "seq": seq}
+
+
+def as_event(frame: str | bytes) -> Any:
+    return decode_frame(frame)
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
+    made = RedisStore(redis_server.url, ttl_s=60, maxlen=10_000, lease_s=5)
+    yield made
+    await made.redis.aclose()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def log(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[EventLog]:
+    if request.param == "memory":
+        yield MemoryLog(1 << 20)
+        return
+    made = RedisStore(redis_server.url, ttl_s=60, maxlen=10_000, lease_s=5)
+    yield RedisLog(made, f"sess_conf_{next(_ids)}")
+    await made.redis.aclose()
+
+
+async def write(log: EventLog, seqs: range, snapshot: dict[str, Any] | None = None) -> None:
+    for seq in seqs:
+        log.append(seq, event(seq), encode_json(event(seq)))
+    await log.flush(LogState(snapshot, {}, len(seqs)))
+
+
+async def test_reads_back_in_order(log: EventLog) -> None:
+    await write(log, range(1, 6))
+    got = await log.read(0)
+    assert [seq for seq, _ in got] == [1, 2, 3, 4, 5]
+    assert [as_event(frame) for _, frame in got] == [event(s) for s in range(1, 6)]
+    assert [seq for seq, _ in await log.read(3)] == [4, 5]
+    assert await log.read(5) == []
+
+
+async def test_bounds(log: EventLog) -> None:
+    assert await log.bounds() is None
+    await write(log, range(1, 4))
+    assert await log.bounds() == (1, 3)
+    await write(log, range(4, 6))
+    assert await log.bounds() == (1, 5)
+
+
+async def test_frames_are_json_or_msgpack_of_the_internal_event(log: EventLog) -> None:
+    await write(log, range(1, 2))
+    ((_, frame),) = await log.read(0)
+    assert isinstance(frame, str | bytes)
+    if isinstance(frame, bytes):
+        assert msgpack.unpackb(frame) == event(1)
+    else:
+        assert frame == encode_json(event(1))
+
+
+async def test_durable_logs_are_read_by_another_instance(store: RedisStore) -> None:
+    sid = f"sess_conf_{next(_ids)}"
+    owner = RedisLog(store, sid)
+    assert owner.durable
+    owner.append(1, event(1), "")
+    assert await RedisLog(store, sid).read(0) == []  # appended, not flushed: not logged
+    await owner.flush(LogState({"id": sid}, {"r": [1, 0, [7]]}, 1))
+    other = RedisLog(store, sid, last_seq=1)
+    assert [(s, unpack(f)) for s, f in await other.read(0)] == [(1, event(1))]
+    state, entries = await store.load(sid)
+    assert state == {"seq": 1, "session": {"id": sid}}
+    assert entries == []  # nothing after the snapshot
+
+
+async def test_a_snapshot_alone_marks_the_end_of_the_log(store: RedisStore) -> None:
+    sid = f"sess_conf_{next(_ids)}"
+    log = RedisLog(store, sid)
+    await write(log, range(1, 4), snapshot={"at": 3})
+    await log.flush(LogState({"final": True}, {}, 0))  # nothing pending: the snapshot alone
+    state, entries = await store.load(sid)
+    assert state == {"seq": 3, "session": {"final": True}}
+    assert entries == []
+
+
+async def test_an_owner_that_lost_the_session_is_fenced(store: RedisStore) -> None:
+    sid = f"sess_conf_{next(_ids)}"
+    old = RedisLog(store, sid)
+    await write(old, range(1, 4))
+    new = RedisLog(store, sid, last_seq=3)  # another instance took it over
+    await write(new, range(4, 6))
+    old.append(4, event(4), "")
+    with pytest.raises(Fenced):
+        await old.flush(LogState(None, {}, 4))
+    assert [s for s, _ in await new.read(0)] == [1, 2, 3, 4, 5]
+
+
+async def test_memory_log_is_not_durable_and_bounded() -> None:
+    log = MemoryLog(max_bytes=100)
+    assert not log.durable
+    for seq in range(1, 50):
+        log.append(seq, event(seq), encode_json(event(seq)))
+    oldest, newest = await log.bounds()  # type: ignore[misc]
+    assert newest == 49 and oldest > 1  # the oldest frames made room
+    assert sum(len(f) for _, f in await log.read(0)) <= 100
+    log.clear()
+    assert await log.bounds() is None
