@@ -99,8 +99,9 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 
 
-class SessionConfig(BaseModel):
-    """Fields of `session.update`; all optional, None means 'leave as is'."""
+class _Settings(BaseModel):
+    """What a session sets for its responses and a response may set for itself;
+    None means 'leave as is' (or 'the session's')."""
 
     model_config = _STRICT
     instructions: str | None = None
@@ -109,18 +110,16 @@ class SessionConfig(BaseModel):
     parallel_tool_calls: bool | None = None
     temperature: Temperature | None = None
     max_output_tokens: MaxTokens | None = None
+
+
+class SessionConfig(_Settings):
+    """Fields of `session.update`."""
+
     # How long a response waits in requires_action for tool outputs.
     tool_timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = None
 
 
-class ResponseParams(BaseModel):
-    model_config = _STRICT
-    instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    temperature: Temperature | None = None
-    max_output_tokens: MaxTokens | None = None
+class ResponseParams(_Settings):
     conversation: Literal["auto", "none"] = "auto"
     # Items used instead of the conversation when conversation is "none".
     input: list[Item] | None = None

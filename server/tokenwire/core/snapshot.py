@@ -40,6 +40,7 @@ class Session(Protocol):
 
     def events_to_send(self) -> list[dict[str, Any]]: ...
 
+
 # Not kept: the engine renders the prompt again where it continues.
 _REQUEST_FIELDS = [f.name for f in fields(GenerationRequest) if f.name != "rendered"]
 

@@ -52,6 +52,11 @@ return 0
 """
 
 
+def _key(*parts: str) -> str:
+    """tw:{sid}:log|state|meta, tw:inst:{iid}, tw:inst:{iid}:inbox."""
+    return ":".join(("tw", *parts))
+
+
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -91,28 +96,6 @@ class RedisStore:
         self._claim = self.redis.register_script(_CLAIM)
         self._tasks: list[asyncio.Task[None]] = []
 
-    # -- keys -----------------------------------------------------------------
-
-    @staticmethod
-    def _log(sid: str) -> str:
-        return f"tw:{sid}:log"
-
-    @staticmethod
-    def _state(sid: str) -> str:
-        return f"tw:{sid}:state"
-
-    @staticmethod
-    def _meta(sid: str) -> str:
-        return f"tw:{sid}:meta"
-
-    @staticmethod
-    def _lease(iid: str) -> str:
-        return f"tw:inst:{iid}"
-
-    @staticmethod
-    def _inbox(iid: str) -> str:
-        return f"tw:inst:{iid}:inbox"
-
     # -- instance lifecycle -----------------------------------------------------
 
     async def start(
@@ -120,7 +103,7 @@ class RedisStore:
     ) -> None:
         """Take the lease (fails fast if Redis is unreachable), then keep it
         and read the inbox in the background."""
-        await self.redis.set(self._lease(self.instance_id), b"1", px=self.lease_ms)
+        await self.redis.set(_key("inst", self.instance_id), b"1", px=self.lease_ms)
         self._tasks = [
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._read_inbox(on_forward)),
@@ -131,12 +114,12 @@ class RedisStore:
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
             try:
-                await self.redis.set(self._lease(self.instance_id), b"1", px=self.lease_ms)
+                await self.redis.set(_key("inst", self.instance_id), b"1", px=self.lease_ms)
             except redis.RedisError as exc:
                 log.warning("lease_renew_failed", error=str(exc))
 
     async def _read_inbox(self, on_forward: Callable[[str, str, Any, str], Any]) -> None:
-        key = self._inbox(self.instance_id)
+        key = _key("inst", self.instance_id, "inbox")
         last = b"$"
         while True:
             try:
@@ -167,32 +150,34 @@ class RedisStore:
             await asyncio.wait(self._tasks, timeout=2)
         self._tasks = []
         with contextlib.suppress(redis.RedisError):
-            await self.redis.delete(self._lease(self.instance_id))
+            await self.redis.delete(_key("inst", self.instance_id))
 
     async def close(self) -> None:
         await self.release()
         await self.redis.aclose()
 
     async def alive(self, iid: str) -> bool:
-        return bool(await self.redis.exists(self._lease(iid)))
+        return bool(await self.redis.exists(_key("inst", iid)))
 
     # -- sessions -------------------------------------------------------------
 
     async def register(self, sid: str, key_id: str | None) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self._meta(sid), mapping={"owner": self.instance_id, "key_id": key_id or ""})
-        pipe.pexpire(self._meta(sid), self.ttl_ms)
+        pipe.hset(_key(sid, "meta"), mapping={"owner": self.instance_id, "key_id": key_id or ""})
+        pipe.pexpire(_key(sid, "meta"), self.ttl_ms)
         await pipe.execute()
 
     async def meta(self, sid: str) -> Meta | None:
-        got = await self.redis.hgetall(self._meta(sid))
+        got = await self.redis.hgetall(_key(sid, "meta"))
         if not got:
             return None
         return Meta(got[b"owner"].decode(), got[b"key_id"].decode() or None)
 
     async def claim(self, sid: str, dead_owner: str) -> bool:
         """Take a session over from a dead owner; False if another instance won."""
-        return bool(await self._claim(keys=[self._meta(sid)], args=[dead_owner, self.instance_id]))
+        return bool(
+            await self._claim(keys=[_key(sid, "meta")], args=[dead_owner, self.instance_id])
+        )
 
     async def append(
         self,
@@ -203,7 +188,7 @@ class RedisStore:
         client_events: int | None = None,
     ) -> None:
         """Log a batch (atomically, with the snapshot it goes with)."""
-        key = self._log(sid)
+        key = _key(sid, "log")
         pipe = self.redis.pipeline(transaction=True)
         last = len(entries) - 1
         for i, (seq, event) in enumerate(entries):
@@ -214,8 +199,8 @@ class RedisStore:
                 fields["c"] = str(client_events).encode()
             pipe.xadd(key, fields, id=f"0-{seq}", maxlen=self.maxlen, approximate=True)
         if snapshot is not None:
-            pipe.set(self._state(sid), pack({"seq": snapshot[0], "session": snapshot[1]}))
-        for k in (key, self._state(sid), self._meta(sid)):
+            pipe.set(_key(sid, "state"), pack({"seq": snapshot[0], "session": snapshot[1]}))
+        for k in (key, _key(sid, "state"), _key(sid, "meta")):
             pipe.pexpire(k, self.ttl_ms)
         try:
             await pipe.execute()
@@ -225,18 +210,18 @@ class RedisStore:
             raise
 
     async def read(self, sid: str, after: int, count: int = 512) -> list[Entry]:
-        got = await self.redis.xrange(self._log(sid), min=f"(0-{after}", count=count)
+        got = await self.redis.xrange(_key(sid, "log"), min=f"(0-{after}", count=count)
         return [_entry(i, f) for i, f in got]
 
     async def follow(self, sid: str, after: int, block_ms: int) -> list[Entry]:
-        got = await self.redis.xread({self._log(sid): f"0-{after}"}, block=block_ms, count=512)
+        got = await self.redis.xread({_key(sid, "log"): f"0-{after}"}, block=block_ms, count=512)
         return [_entry(i, f) for _, entries in got for i, f in entries]
 
     async def bounds(self, sid: str) -> tuple[int, int] | None:
         """The oldest and newest seq still logged."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xrange(self._log(sid), count=1)
-        pipe.xrevrange(self._log(sid), count=1)
+        pipe.xrange(_key(sid, "log"), count=1)
+        pipe.xrevrange(_key(sid, "log"), count=1)
         first, last = await pipe.execute()
         if not first or not last:
             return None
@@ -244,7 +229,7 @@ class RedisStore:
 
     async def load(self, sid: str) -> tuple[dict[str, Any], list[Entry]] | None:
         """The last snapshot and every entry logged after it."""
-        raw = await self.redis.get(self._state(sid))
+        raw = await self.redis.get(_key(sid, "state"))
         if raw is None:
             return None
         state = unpack(raw)
@@ -262,14 +247,14 @@ class RedisStore:
         if data is not None:
             fields["d"] = pack(data)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(self._inbox(owner), fields, maxlen=10_000, approximate=True)
-        pipe.pexpire(self._inbox(owner), self.ttl_ms)
+        pipe.xadd(_key("inst", owner, "inbox"), fields, maxlen=10_000, approximate=True)
+        pipe.pexpire(_key("inst", owner, "inbox"), self.ttl_ms)
         await pipe.execute()
 
     async def drop(self, sid: str) -> None:
         """The session ended: its log goes with it."""
         with contextlib.suppress(redis.RedisError):
-            await self.redis.delete(self._log(sid), self._state(sid), self._meta(sid))
+            await self.redis.delete(_key(sid, "log"), _key(sid, "state"), _key(sid, "meta"))
 
 
 def _entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
