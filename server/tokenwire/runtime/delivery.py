@@ -32,7 +32,7 @@ from ..core.outbox import Outbox
 from ..storage.eventlog import EventLog, Fenced, Frame, LogState
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_SLOW_CLIENT
-from .socket import close_or_abort, unless_closed
+from .ws import close_or_abort, unless_closed
 
 
 @dataclass(frozen=True, slots=True)

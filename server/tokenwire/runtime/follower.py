@@ -26,7 +26,8 @@ from ..logs import get_logger
 from ..storage.redis import RedisStore
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
-from .socket import Outcome, close_or_abort
+from .socket import Outcome
+from .ws import close_or_abort
 
 log = get_logger("tokenwire.follow")
 

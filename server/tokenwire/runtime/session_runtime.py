@@ -29,7 +29,6 @@ from ..core.session import Session, SessionLimits
 from ..engines.base import Engine, EngineDelta, EngineError
 from ..logs import get_logger
 from ..storage.eventlog import EventLog, LogState, MemoryLog, resume_problem
-from ..storage.redis import unpack
 from ..wire import Dialect, dialect_for
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
 from .delivery import Delivery, Pace
@@ -377,12 +376,13 @@ class SessionRuntime:
 def _restore(
     restored: tuple[dict[str, Any], list[Any]], kwargs: dict[str, Any]
 ) -> tuple[Session, int]:
-    """The session a durable log describes: its snapshot, then what was logged after."""
+    """The session a durable log describes: its snapshot, then the entries
+    (storage.redis.Entry) logged after it."""
     state, entries = restored
     session = Session.restore(state["session"], **kwargs)
     logged_seq = state["seq"]
     for entry in entries:
-        session.replay_delta(unpack(entry.event))
+        session.replay_delta(entry.decoded)
         if entry.progress:
             session.restore_progress(entry.progress)
         if entry.client_events is not None:

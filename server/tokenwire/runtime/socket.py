@@ -9,18 +9,17 @@ closes or its first frame resumes another session (a `Handoff`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed, ConnectionClosedError
+from websockets.exceptions import ConnectionClosed
 
 from ..core.schema import SessionResume
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_IDLE
+from .ws import unless_closed
 
 
 class SocketState(StrEnum):
@@ -147,25 +146,3 @@ class ClientSocket:
         self.closed_for = "idle"
         owner.log.info("idle_closed", idle_s=round(idle_for, 1))
         self._closer = loop.create_task(self.ws.close(CLOSE_IDLE, "idle timeout"))
-
-
-async def unless_closed(ws: ServerConnection, awaitable: Awaitable[Any]) -> None:
-    """Await `awaitable`, but stop waiting if the socket goes away."""
-    waiter = asyncio.ensure_future(awaitable)
-    closed = asyncio.ensure_future(ws.wait_closed())
-    try:
-        await asyncio.wait({waiter, closed}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-        closed.cancel()
-    if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
-        raise ConnectionClosedError(None, None) from waiter.exception()
-
-
-async def close_or_abort(ws: ServerConnection, code: int, reason: str) -> None:
-    """Close with a code the client can act on; drop the socket if the client
-    does not answer within a second (often one that stopped reading)."""
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(ws.close(code, reason), 1)
-    if ws.transport is not None:
-        ws.transport.abort()

@@ -76,6 +76,10 @@ class Entry:
     progress: dict[str, list[Any]] | None
     client_events: int | None = None
 
+    @property
+    def decoded(self) -> dict[str, Any]:
+        return unpack(self.event)
+
 
 @dataclass(frozen=True, slots=True)
 class Meta:
