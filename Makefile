@@ -64,7 +64,7 @@ test: install-test model client_js/node_modules/.installed
 
 # Everything but the real-engine tests; seconds, not minutes.
 test-fast: install-test
-	$(BIN)/python -m pytest -q -m "not vllm" --ignore=tests/test_models.py
+	$(BIN)/python -m pytest -q -m "not vllm" --ignore=tests/engines/test_models.py
 
 lint: install-test
 	$(BIN)/ruff check server tests benchmarks

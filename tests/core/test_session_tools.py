@@ -10,66 +10,10 @@ import pytest
 from tokenwire.core.conversation import render_messages
 from tokenwire.core.events import AbortGeneration, StartGeneration, StartTimer
 from tokenwire.core.session import Session
-from tokenwire.engines.base import ContextLengthExceeded, EngineDelta, ToolCallDelta
+from tokenwire.engines.base import ContextLengthExceeded, EngineDelta
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
-TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
-
-
-def send(s: Session, event: dict[str, Any]) -> list[dict[str, Any]]:
-    s.receive_client_event(event)
-    return s.events_to_send()
-
-
-def codes(events: list[dict[str, Any]]) -> list[str]:
-    return [e["error"]["code"] for e in events if e["type"] == "error"]
-
-
-def types(events: list[dict[str, Any]]) -> list[str]:
-    return [e["type"] for e in events]
-
-
-def begin(s: Session, **params: Any) -> StartGeneration:
-    send(s, {"type": "session.update", "session": {"tools": [WEATHER, TIME]}})
-    send(
-        s,
-        {
-            "type": "conversation.item.create",
-            "item": {"type": "message", "role": "user", "content": "Weather and time in Paris?"},
-        },
-    )
-    send(s, {"type": "response.create", "event_id": "c", "response": params})
-    (action,) = s.actions_to_perform()
-    assert isinstance(action, StartGeneration)
-    return action
-
-
-def call(
-    s: Session, rq: str, index: int, name: str | None, args: str, finish: str | None = None
-) -> list[dict[str, Any]]:
-    s.receive_engine_output(
-        rq, EngineDelta("", 1, finish, tool_calls=[ToolCallDelta(index, name, args)])
-    )
-    return s.events_to_send()
-
-
-def output(s: Session, call_id: str, text: str, event_id: str = "o") -> list[dict[str, Any]]:
-    return send(
-        s,
-        {
-            "type": "conversation.item.create",
-            "event_id": event_id,
-            "item": {"type": "function_call_output", "call_id": call_id, "output": text},
-        },
-    )
+from ..helpers.session import begin, call, codes, drive, output, types
+from ..helpers.tools import TIME, WEATHER
 
 
 @pytest.fixture
@@ -146,7 +90,7 @@ def test_output_errors(session: Session) -> None:
 
 
 def test_tool_timeout_ends_incomplete(session: Session) -> None:
-    send(session, {"type": "session.update", "session": {"tool_timeout_s": 0.5}})
+    drive(session, {"type": "session.update", "session": {"tool_timeout_s": 0.5}})
     action = begin(session, tool_choice="required")
     call(session, action.request.request_id, 0, "get_time", "{}", finish="stop")
     (timer,) = session.actions_to_perform()
@@ -191,13 +135,13 @@ def test_steer_and_cancel_while_waiting_for_tools(session: Session) -> None:
     action = begin(session, tool_choice="required")
     call(session, action.request.request_id, 0, "get_time", "{}", finish="stop")
     session.actions_to_perform()
-    assert codes(send(session, {"type": "response.steer", "input": "hurry"})) == ["invalid_state"]
-    events = send(session, {"type": "response.cancel"})
+    assert codes(drive(session, {"type": "response.steer", "input": "hurry"})) == ["invalid_state"]
+    events = drive(session, {"type": "response.cancel"})
     assert events[-1]["response"]["status"] == "cancelled"
 
 
 def test_named_choice_must_exist(session: Session) -> None:
-    events = send(
+    events = drive(
         session,
         {
             "type": "response.create",
@@ -208,7 +152,7 @@ def test_named_choice_must_exist(session: Session) -> None:
     assert codes(events) == ["invalid_field"] and events[0]["error"]["param"] == (
         "response.tool_choice"
     )
-    events = send(session, {"type": "response.create", "response": {"tool_choice": "required"}})
+    events = drive(session, {"type": "response.create", "response": {"tool_choice": "required"}})
     assert codes(events) == ["invalid_field"]
 
 
@@ -218,11 +162,11 @@ def test_steer_that_overflows_context_leaves_response_running() -> None:
             raise ContextLengthExceeded("too long")
 
     s = Session(preflight=check)
-    send(s, {"type": "response.create", "response": {"conversation": "none"}})
+    drive(s, {"type": "response.create", "response": {"conversation": "none"}})
     (start,) = s.actions_to_perform()
     s.receive_engine_output(start.request.request_id, EngineDelta("Once", 1, None, 3, 0))
     s.events_to_send()
-    events = send(s, {"type": "response.steer", "event_id": "big", "input": "x" * 500})
+    events = drive(s, {"type": "response.steer", "event_id": "big", "input": "x" * 500})
     assert codes(events) == ["context_length_exceeded"]
     assert events[0]["error"]["event_id"] == "big"
     assert s.actions_to_perform() == []
@@ -234,7 +178,7 @@ def test_steer_drops_a_half_written_call(session: Session) -> None:
     action = begin(session)
     rq = action.request.request_id
     call(session, rq, 0, "get_weather", '{"ci')
-    events = send(session, {"type": "response.steer", "input": "never mind"})
+    events = drive(session, {"type": "response.steer", "input": "never mind"})
     assert types(events) == ["response.steered"]
     abort, restart = session.actions_to_perform()
     assert abort == AbortGeneration(action.response_id, rq)
@@ -243,19 +187,19 @@ def test_steer_drops_a_half_written_call(session: Session) -> None:
 
 
 def test_retrieve_item(session: Session) -> None:
-    (created,) = send(
+    (created,) = drive(
         session,
         {
             "type": "conversation.item.create",
             "item": {"type": "message", "role": "user", "content": "hello"},
         },
     )
-    (ev,) = send(
+    (ev,) = drive(
         session,
         {"type": "conversation.item.retrieve", "event_id": "r", "item_id": created["item"]["id"]},
     )
     assert ev["type"] == "conversation.item.retrieved" and ev["item"]["content"] == "hello"
-    assert codes(send(session, {"type": "conversation.item.retrieve", "item_id": "x"})) == [
+    assert codes(drive(session, {"type": "conversation.item.retrieve", "item_id": "x"})) == [
         "unknown_item"
     ]
 
@@ -290,7 +234,7 @@ def test_render_messages_groups_parallel_calls() -> None:
 
 
 def test_previous_item_id_of_an_out_of_band_item_is_unknown(session: Session) -> None:
-    send(
+    drive(
         session,
         {
             "type": "response.create",
@@ -300,7 +244,7 @@ def test_previous_item_id_of_an_out_of_band_item_is_unknown(session: Session) ->
             },
         },
     )
-    events = send(
+    events = drive(
         session,
         {
             "type": "conversation.item.create",
@@ -314,17 +258,17 @@ def test_previous_item_id_of_an_out_of_band_item_is_unknown(session: Session) ->
 def test_steer_prompt_holds_the_partial_text_once() -> None:
     checked: list[Any] = []
     s = Session(preflight=checked.append)
-    send(
+    drive(
         s,
         {
             "type": "conversation.item.create",
             "item": {"type": "message", "role": "user", "content": "story"},
         },
     )
-    send(s, {"type": "response.create"})
+    drive(s, {"type": "response.create"})
     (start,) = s.actions_to_perform()
     s.receive_engine_output(start.request.request_id, EngineDelta("Once upon", 2, None, 3, 0))
-    send(s, {"type": "response.steer", "input": "shorter"})
+    drive(s, {"type": "response.steer", "input": "shorter"})
     _, restart = s.actions_to_perform()
     assert [m["content"] for m in restart.request.messages] == ["story", "Once upon", "shorter"]
     # The request that was checked is the one that runs.
@@ -341,19 +285,19 @@ def test_calls_failing_the_check_are_incomplete(session: Session) -> None:
 def test_cancel_output_lists_no_partial_call(session: Session) -> None:
     action = begin(session)
     call(session, action.request.request_id, 0, "get_weather", '{"ci')
-    events = send(session, {"type": "response.cancel"})
+    events = drive(session, {"type": "response.cancel"})
     assert events[-1]["response"]["output"] == []
 
 
 def test_duplicate_ids_in_one_input(session: Session) -> None:
     item = {"type": "message", "role": "user", "content": "x", "id": "same"}
-    events = send(session, {"type": "response.create", "response": {"input": [item, item]}})
+    events = drive(session, {"type": "response.create", "response": {"input": [item, item]}})
     assert codes(events) == ["duplicate_item_id"]
     assert session.items == []
 
 
 def test_output_for_finished_out_of_band_response(session: Session) -> None:
-    send(
+    drive(
         session,
         {
             "type": "response.create",
@@ -363,6 +307,6 @@ def test_output_for_finished_out_of_band_response(session: Session) -> None:
     (start,) = session.actions_to_perform()
     call(session, start.request.request_id, 0, "get_time", "{}", finish="stop")
     call_id = session.lifecycle.calls and next(iter(session.lifecycle.calls))
-    send(session, {"type": "response.cancel"})
+    drive(session, {"type": "response.cancel"})
     assert codes(output(session, call_id, "late")) == ["response_not_active"]
     assert all(i["type"] != "function_call_output" for i in session.items)

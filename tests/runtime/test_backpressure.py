@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as ws_connect
 
 from tokenwire.client import connect
 from tokenwire.config import ServerConfig
@@ -25,7 +22,9 @@ from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.server import TokenwireServer
 from tokenwire.wire.close_codes import CLOSE_SLOW_CLIENT
 
-from .conftest import http_json, spawn_server
+from ..conftest import http_json, spawn_server
+from ..helpers.wait import until
+from ..helpers.wire import expected, raw_client
 
 SMALL = dict(
     sndbuf=4096,
@@ -51,16 +50,6 @@ async def server(request: pytest.FixtureRequest) -> AsyncIterator[TokenwireServe
 
 def url_of(srv: TokenwireServer) -> str:
     return f"ws://127.0.0.1:{srv.port}/v1/realtime"
-
-
-async def raw_client(url: str) -> ClientConnection:
-    """A JSON client with a tiny receive buffer that reads only when told to."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
-    sock.connect(("127.0.0.1", port))
-    sock.setblocking(False)
-    return await ws_connect(url, sock=sock, max_queue=1, subprotocols=["tokenwire.v1.json"])
 
 
 async def stream(ws: ClientConnection, tokens: int) -> None:
@@ -94,21 +83,10 @@ async def read_response(
             return text, seqs, frames, event["response"]
 
 
-def expected(n: int) -> str:
-    return "".join(f" t{i}" for i in range(n))
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
 async def test_stalled_client_beside_healthy_one(server: TokenwireServer) -> None:
     stalled = await raw_client(url_of(server))
     await stream(stalled, 1_000_000)
-    await wait_for(lambda: any(c.paused for c in server.connections))
+    await until(lambda: any(c.paused for c in server.connections), "a generation paused")
     (stalled_conn,) = server.connections
     # The stalled client's generation is paused: its engine slot is free.
     assert server.engine.load().running == 0
@@ -121,7 +99,7 @@ async def test_stalled_client_beside_healthy_one(server: TokenwireServer) -> Non
     # It goes away without ever reading; after the resume grace period the
     # server frees it all.
     stalled.transport.abort()
-    await wait_for(lambda: not server.sessions)
+    await until(lambda: not server.sessions, "the session ended")
     assert stalled_conn.state == "ended"
     assert stalled_conn.delivery.outbox.pending_bytes == 0 and not stalled_conn.tasks
 
@@ -130,7 +108,7 @@ async def test_pause_then_resume_gives_identical_text(server: TokenwireServer) -
     ws = await raw_client(url_of(server))
     n = 20_000
     await stream(ws, n)
-    await wait_for(lambda: any(c.paused for c in server.connections))
+    await until(lambda: any(c.paused for c in server.connections), "a generation paused")
     conn = next(iter(server.connections))
     text, seqs, _, done = await read_response(ws)
     assert text == expected(n)
@@ -148,7 +126,7 @@ async def test_direct_and_queued_writes_keep_order(server: TokenwireServer) -> N
     ws = await raw_client(url_of(server))
     n = 6000
     await stream(ws, n)
-    await wait_for(lambda: len(server.connections) == 1)
+    await until(lambda: len(server.connections) == 1, "the connection accepted")
     (delivery,) = [c.delivery for c in server.connections]
     text, seqs, _, _ = await read_response(ws, pause_every=1000)  # fall behind now and then
     assert delivery.sent_directly > 0 and delivery.sent_by_writer > 0
@@ -237,9 +215,9 @@ async def test_merged_frames_reassemble_exactly(server: TokenwireServer) -> None
 async def test_client_that_never_reads_is_closed(server: TokenwireServer) -> None:
     ws = await raw_client(url_of(server))
     await stream(ws, 1_000_000)
-    await wait_for(lambda: any(c.paused for c in server.connections))
+    await until(lambda: any(c.paused for c in server.connections), "a generation paused")
     conn = next(iter(server.connections))
-    await wait_for(lambda: not server.sessions, timeout=10)
+    await until(lambda: not server.sessions, "the session ended", timeout=10)
     assert conn.closed_for == "slow_client"
     assert conn.delivery.outbox.pending_bytes == 0 and not conn.tasks
     assert server.engine.load().running == 0

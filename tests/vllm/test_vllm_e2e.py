@@ -13,7 +13,7 @@ import pytest
 
 from tokenwire.client import TokenwireError, connect
 
-from .conftest import VllmServer
+from ..conftest import VllmServer
 
 pytestmark = pytest.mark.vllm
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from tokenwire.core.errors import ErrorCode, ProtocolError
@@ -11,6 +9,8 @@ from tokenwire.core.events import AbortGeneration, StartGeneration
 from tokenwire.core.outbox import Outbox
 from tokenwire.core.session import Session, SessionLimits
 from tokenwire.engines.base import ContextLengthExceeded, EngineDelta
+
+from ..helpers.session import codes, drive, start
 
 
 class Clock:
@@ -33,33 +33,8 @@ def session(clock: Clock) -> Session:
     return s
 
 
-def send(s: Session, event: dict[str, Any]) -> list[dict[str, Any]]:
-    s.receive_client_event(event)
-    return s.events_to_send()
-
-
-def errors(events: list[dict[str, Any]]) -> list[str]:
-    return [e["error"]["code"] for e in events if e["type"] == "error"]
-
-
-def start(s: Session, text: str = "hi", **params: Any) -> tuple[str, StartGeneration]:
-    send(
-        s,
-        {
-            "type": "conversation.item.create",
-            "item": {"type": "message", "role": "user", "content": text},
-        },
-    )
-    events = send(s, {"type": "response.create", "event_id": "create", "response": params})
-    created = events[0]
-    assert created["type"] == "response.created" and created["event_id"] == "create"
-    (action,) = s.actions_to_perform()
-    assert isinstance(action, StartGeneration)
-    return created["response"]["id"], action
-
-
 def test_update_session_answers_with_full_session(session: Session) -> None:
-    (ev,) = send(
+    (ev,) = drive(
         session,
         {
             "type": "session.update",
@@ -74,7 +49,7 @@ def test_update_session_answers_with_full_session(session: Session) -> None:
 
 
 def test_item_create_then_response_renders_chat(session: Session) -> None:
-    send(session, {"type": "session.update", "session": {"instructions": "sys"}})
+    drive(session, {"type": "session.update", "session": {"instructions": "sys"}})
     rid, action = start(session, "What is 2+2?", temperature=0, max_output_tokens=5)
     req = action.request
     assert req.messages == [
@@ -128,7 +103,7 @@ def test_cancel_aborts_and_ends_at_once(session: Session) -> None:
     rq = action.request.request_id
     session.receive_engine_output(rq, EngineDelta("partial", 1, None, 3, 0))
     session.events_to_send()
-    events = send(session, {"type": "response.cancel", "event_id": "c"})
+    events = drive(session, {"type": "response.cancel", "event_id": "c"})
     assert session.actions_to_perform() == [AbortGeneration(rid, rq)]
     assert [e["type"] for e in events] == ["response.output_text.done", "response.done"]
     assert events[1]["response"]["status"] == "cancelled"
@@ -140,25 +115,25 @@ def test_cancel_aborts_and_ends_at_once(session: Session) -> None:
 
 
 def test_cancel_errors(session: Session) -> None:
-    assert errors(send(session, {"type": "response.cancel", "response_id": "resp_x"})) == [
+    assert codes(drive(session, {"type": "response.cancel", "response_id": "resp_x"})) == [
         "unknown_response"
     ]
-    assert errors(send(session, {"type": "response.cancel"})) == ["response_not_active"]
+    assert codes(drive(session, {"type": "response.cancel"})) == ["response_not_active"]
     rid, action = start(session)
     session.receive_engine_output(action.request.request_id, EngineDelta("x", 1, "stop", 1, 0))
     session.events_to_send()
-    assert errors(send(session, {"type": "response.cancel", "response_id": rid})) == [
+    assert codes(drive(session, {"type": "response.cancel", "response_id": rid})) == [
         "response_not_active"
     ]
 
 
 def test_one_active_response_per_conversation(session: Session) -> None:
     start(session)
-    events = send(session, {"type": "response.create", "event_id": "second"})
-    assert errors(events) == [ErrorCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE]
+    events = drive(session, {"type": "response.create", "event_id": "second"})
+    assert codes(events) == [ErrorCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE]
     assert events[0]["error"]["event_id"] == "second"
     # Out-of-band responses may run beside it, with their own input.
-    events = send(
+    events = drive(
         session,
         {
             "type": "response.create",
@@ -176,8 +151,8 @@ def test_one_active_response_per_conversation(session: Session) -> None:
 def test_max_active_responses(clock: Clock) -> None:
     s = Session(clock=clock, limits=SessionLimits(max_active_responses=2))
     for _ in range(2):
-        send(s, {"type": "response.create", "response": {"conversation": "none"}})
-    assert errors(send(s, {"type": "response.create", "response": {"conversation": "none"}})) == [
+        drive(s, {"type": "response.create", "response": {"conversation": "none"}})
+    assert codes(drive(s, {"type": "response.create", "response": {"conversation": "none"}})) == [
         "too_many_responses"
     ]
 
@@ -206,20 +181,20 @@ def test_truncate_keeps_heard_prefix(session: Session) -> None:
     session.receive_engine_output(rq, EngineDelta("The capital is Paris.", 5, None, 3, 0))
     item_id = session.items[-1]["id"]
     # Not while it is still generating: cancel first.
-    assert errors(
-        send(session, {"type": "conversation.item.truncate", "item_id": item_id, "text_end": 3})
+    assert codes(
+        drive(session, {"type": "conversation.item.truncate", "item_id": item_id, "text_end": 3})
     ) == ["invalid_state"]
-    send(session, {"type": "response.cancel"})
-    (ev,) = send(
+    drive(session, {"type": "response.cancel"})
+    (ev,) = drive(
         session, {"type": "conversation.item.truncate", "item_id": item_id, "text_end": 11}
     )
     assert ev["type"] == "conversation.item.truncated"
     assert session.items[-1]["content"] == "The capital"
-    assert errors(
-        send(session, {"type": "conversation.item.truncate", "item_id": item_id, "text_end": 50})
+    assert codes(
+        drive(session, {"type": "conversation.item.truncate", "item_id": item_id, "text_end": 50})
     ) == ["invalid_field"]
-    assert errors(
-        send(session, {"type": "conversation.item.truncate", "item_id": "nope", "text_end": 1})
+    assert codes(
+        drive(session, {"type": "conversation.item.truncate", "item_id": "nope", "text_end": 1})
     ) == ["unknown_item"]
 
 
@@ -228,7 +203,7 @@ def test_steer_continues_same_response(session: Session) -> None:
     old = action.request.request_id
     session.receive_engine_output(old, EngineDelta("Once upon", 2, None, 5, 0))
     session.events_to_send()
-    events = send(session, {"type": "response.steer", "event_id": "s", "input": "Make it short"})
+    events = drive(session, {"type": "response.steer", "event_id": "s", "input": "Make it short"})
     assert [e["type"] for e in events] == ["response.output_text.done", "response.steered"]
     assert events[1]["response_id"] == rid and events[1]["event_id"] == "s"
     abort, restart = session.actions_to_perform()
@@ -249,13 +224,13 @@ def test_steer_continues_same_response(session: Session) -> None:
 
 
 def test_steer_without_active_response(session: Session) -> None:
-    assert errors(send(session, {"type": "response.steer", "input": "x"})) == [
+    assert codes(drive(session, {"type": "response.steer", "input": "x"})) == [
         "response_not_active"
     ]
 
 
 def test_function_call_output_for_unknown_call(session: Session) -> None:
-    events = send(
+    events = drive(
         session,
         {
             "type": "conversation.item.create",
@@ -263,13 +238,13 @@ def test_function_call_output_for_unknown_call(session: Session) -> None:
             "item": {"type": "function_call_output", "call_id": "call_1", "output": "{}"},
         },
     )
-    assert errors(events) == ["unknown_call_id"]
+    assert codes(events) == ["unknown_call_id"]
 
 
 def test_duplicate_item_id(session: Session) -> None:
     item = {"type": "message", "role": "user", "content": "x", "id": "mine"}
-    send(session, {"type": "conversation.item.create", "item": item})
-    assert errors(send(session, {"type": "conversation.item.create", "item": item})) == [
+    drive(session, {"type": "conversation.item.create", "item": item})
+    assert codes(drive(session, {"type": "conversation.item.create", "item": item})) == [
         "duplicate_item_id"
     ]
 
@@ -281,7 +256,7 @@ def test_seq_rises_by_one_on_every_event(session: Session) -> None:
         session.receive_engine_output(
             action.request.request_id, EngineDelta(f"t{i}", 1, "stop" if i == 4 else None)
         )
-    send(session, {"type": "nope"})
+    drive(session, {"type": "nope"})
     box.extend(session.events_to_send())
     seqs = []
     while (e := box.pop(merge=True)) is not None:
@@ -296,7 +271,7 @@ def test_events_snapshot_items(session: Session) -> None:
     session.receive_engine_output(action.request.request_id, EngineDelta("abc", 1, "stop", 1, 0))
     done = session.events_to_send()[-1]
     assert created == [] or all(not o["content"] for o in created[0]["response"]["output"])
-    send(
+    drive(
         session,
         {"type": "conversation.item.truncate", "item_id": session.items[-1]["id"], "text_end": 1},
     )
@@ -306,7 +281,7 @@ def test_events_snapshot_items(session: Session) -> None:
 def test_conversation_size_is_capped(clock: Clock) -> None:
     s = Session(clock=clock, limits=SessionLimits(max_conversation_bytes=100))
     s.events_to_send()
-    ok = send(
+    ok = drive(
         s,
         {
             "type": "conversation.item.create",
@@ -314,7 +289,7 @@ def test_conversation_size_is_capped(clock: Clock) -> None:
         },
     )
     assert ok[0]["type"] == "conversation.item.created"
-    events = send(
+    events = drive(
         s,
         {
             "type": "conversation.item.create",
@@ -322,25 +297,25 @@ def test_conversation_size_is_capped(clock: Clock) -> None:
             "item": {"type": "message", "role": "user", "content": "y" * 60},
         },
     )
-    assert errors(events) == ["conversation_too_large"]
+    assert codes(events) == ["conversation_too_large"]
     assert events[0]["error"]["event_id"] == "big"
     assert len(s.items) == 1
-    events = send(
+    events = drive(
         s,
         {
             "type": "response.create",
             "response": {"input": [{"type": "message", "role": "user", "content": "z" * 60}]},
         },
     )
-    assert errors(events) == ["conversation_too_large"]
+    assert codes(events) == ["conversation_too_large"]
     assert s.history_bytes == 60
 
 
 def test_client_events_counts_every_frame_taken(session: Session) -> None:
     """What a resuming client is told the server took, so it resends the rest."""
     start(session)  # two events
-    send(session, {"type": "response.cancel", "event_id": "c"})  # taken, no echo
-    assert errors(send(session, {"type": "no.such.event"})) == ["unknown_event_type"]
+    drive(session, {"type": "response.cancel", "event_id": "c"})  # taken, no echo
+    assert codes(drive(session, {"type": "no.such.event"})) == ["unknown_event_type"]
     session.receive_protocol_error(ProtocolError(ErrorCode.MALFORMED_FRAME, "not JSON"))
     assert session.client_events == 5
     # A refused resume is about no frame of this session.

@@ -18,9 +18,10 @@ from websockets.exceptions import ConnectionClosed
 
 from tokenwire.client import Reconnect, connect
 
-from .conftest import ARTIFACTS, RedisServer, Spawned, http_json, spawn_server
-from .proxy import Proxy
-from .test_resume import Wire, expected, resume, start_stream
+from ..conftest import ARTIFACTS, RedisServer, Spawned, http_json, spawn_server
+from ..helpers.proxy import Proxy
+from ..helpers.wait import until
+from ..helpers.wire import Reader, expected, resume, start_stream, until_done_across_moves
 
 
 @contextmanager
@@ -53,59 +54,12 @@ def instances(
         ]
 
 
-class Reader:
-    """Reads one session's events across sockets, checking seq as it goes."""
-
-    def __init__(self, wire: Wire, last_seq: int) -> None:
-        self.wire = wire
-        self.last_seq = last_seq
-        self.text = ""
-        self.events: list[dict] = []
-
-    async def next(self) -> dict:
-        event = await self.wire.recv()
-        assert event["seq"] == self.last_seq + 1, (event, self.last_seq)  # no gap, no duplicate
-        self.last_seq = event["seq"]
-        self.text += event.get("delta", "")
-        self.events.append(event)
-        return event
-
-    async def until(self, kind: str) -> dict:
-        while (event := await self.next())["type"] != kind:
-            pass
-        return event
-
-    def of(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["type"] == kind]
-
-
-async def until_done_across_moves(reader: Reader, url: str, sid: str) -> dict:
-    """Reads to `response.done`. A follower whose owner died closes with 1012
-    (frames it forwarded may be lost); the client resumes again, as ours do,
-    and that resume takes the session over."""
-    while True:
-        try:
-            return await reader.until("response.done")
-        except ConnectionClosed as exc:
-            assert exc.rcvd is not None and exc.rcvd.code == 1012, exc
-            assert exc.rcvd.reason == "session moved"
-            reader.wire, _ = await resume(url, sid, reader.last_seq)
-
-
 def keys_of(redis_server: RedisServer, sid: str) -> list[bytes]:
     client = redis.Redis.from_url(redis_server.url)
     try:
         return client.keys(f"tw:{sid}:*")
     finally:
         client.close()
-
-
-async def wait_until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return predicate()
 
 
 async def test_resume_on_another_instance_follows_the_owner(redis_server: RedisServer) -> None:
@@ -146,7 +100,8 @@ async def test_resume_on_another_instance_follows_the_owner(redis_server: RedisS
         assert http_json(b.http + "/healthz")[1]["sessions"] == 0  # B only follows
         assert keys_of(redis_server, sid)
         await wire.ws.close()  # a clean close ends the session on its owner...
-        assert await wait_until(lambda: not keys_of(redis_server, sid))  # ...and its log
+        # ...and its log:
+        await until(lambda: not keys_of(redis_server, sid), "the log deleted", every=0.05)
 
 
 async def test_hundred_random_disconnects_across_instances(redis_server: RedisServer) -> None:
@@ -311,7 +266,8 @@ async def test_grace_period_ends_the_session_and_its_log(redis_server: RedisServ
         await Reader(wire, 1).until("response.output_text.delta")
         wire.ws.transport.abort()
         assert keys_of(redis_server, sid)  # kept, and still being written, for a resume...
-        assert await wait_until(lambda: not keys_of(redis_server, sid))  # ...until the grace ends
+        # ...until the grace ends:
+        await until(lambda: not keys_of(redis_server, sid), "the log deleted", every=0.05)
         health = http_json(a.http + "/healthz")[1]
         assert health["sessions"] == 0 and health["engine_load"]["running"] == 0
         wire, _ = await resume(a.url, sid, 2)
@@ -366,7 +322,7 @@ async def test_a_follower_the_client_left_cannot_detach_it(redis_server: RedisSe
             reader.wire, _ = await resume(c.url, sid, reader.last_seq)
             await reader.until("response.done")
             b_log = ARTIFACTS / f"{name}-b.log"
-            assert await wait_until(lambda: '"unfollowing"' in b_log.read_text())
+            await until(lambda: '"unfollowing"' in b_log.read_text(), "B unfollowing", every=0.05)
         await asyncio.sleep(0.5)  # B's detach reaches A through its inbox
         await reader.wire.send(
             {
@@ -400,7 +356,9 @@ async def test_a_stalled_owner_is_fenced_after_a_takeover(redis_server: RedisSer
         finally:
             a.proc.send_signal(signal.SIGCONT)
         # A wakes up, fails its next write to the log and lets the session go.
-        assert await wait_until(lambda: http_json(a.http + "/healthz")[1]["sessions"] == 0)
+        await until(
+            lambda: http_json(a.http + "/healthz")[1]["sessions"] == 0, "A let go", every=0.05
+        )
         done = await reader.until("response.done")
         assert done["response"]["status"] == "completed"
         assert reader.text == expected(n)

@@ -11,7 +11,7 @@ from websockets.exceptions import ConnectionClosed
 
 from tokenwire.client import Client, TokenwireError, connect
 
-from .conftest import RunningServer, http_json
+from ..conftest import RunningServer, http_json
 
 PROTOCOLS = ["json", "msgpack"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import pytest
@@ -21,9 +21,10 @@ from tokenwire.config import ServerConfig
 from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.server import TokenwireServer
 
-from .proxy import Proxy
-from .test_e2e_steer_tools import WEATHER
-from .test_resume import expected
+from ..helpers.proxy import Proxy
+from ..helpers.tools import WEATHER
+from ..helpers.wait import until
+from ..helpers.wire import expected
 
 FAST = Reconnect(initial_delay_s=0.01, max_delay_s=0.05, attempt_timeout_s=5)
 
@@ -66,15 +67,6 @@ async def proxy(server: TokenwireServer) -> AsyncIterator[Proxy]:
 def items(server: TokenwireServer, session_id: str | None) -> list[dict[str, Any]]:
     assert session_id is not None
     return server.sessions[session_id].session.items
-
-
-async def until(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not check():  # noqa: ASYNC110 - polls state no event signals
-                await asyncio.sleep(0.005)
-    except TimeoutError:
-        raise AssertionError(f"not seen within {timeout} s: {what}") from None
 
 
 def drain(tw: Any) -> list[dict[str, Any]]:

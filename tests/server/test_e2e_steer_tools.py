@@ -9,17 +9,9 @@ import pytest
 
 from tokenwire.client import TokenwireError, connect
 
-from .conftest import RunningServer
+from ..conftest import RunningServer
+from ..helpers.tools import WEATHER
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
 CLOCK = {
     "type": "function",
     "name": "get_time",

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections.abc import AsyncIterator
 
-import msgpack
 import pytest
-from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as ws_connect
 
 from tokenwire.config import ServerConfig
 from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.server import TokenwireServer
 
-from .conftest import RunningServer
+from ..conftest import RunningServer
+from ..helpers.wire import expected, resume, start_stream
 
 
 @pytest.fixture
@@ -32,50 +29,6 @@ async def server() -> AsyncIterator[RunningServer]:
     await srv.start()
     yield RunningServer(srv)
     await srv.close()
-
-
-class Wire:
-    """A bare client that speaks either subprotocol."""
-
-    def __init__(self, ws: ClientConnection) -> None:
-        self.ws = ws
-        self.binary = ws.subprotocol == "tokenwire.v1.msgpack"
-
-    @classmethod
-    async def open(cls, url: str, protocol: str = "json") -> Wire:
-        return cls(await ws_connect(url, subprotocols=[f"tokenwire.v1.{protocol}"]))  # type: ignore[list-item]
-
-    async def send(self, event: dict) -> None:
-        await self.ws.send(msgpack.packb(event) if self.binary else json.dumps(event))
-
-    async def recv(self) -> dict:
-        frame = await asyncio.wait_for(self.ws.recv(), 10)
-        return msgpack.unpackb(frame) if isinstance(frame, bytes) else json.loads(frame)
-
-
-def expected(n: int) -> str:
-    return "".join(f" t{i}" for i in range(n))
-
-
-async def start_stream(url: str, tokens: int) -> tuple[Wire, str]:
-    wire = await Wire.open(url)
-    created = await wire.recv()
-    await wire.send(
-        {"type": "response.create", "response": {"ignore_eos": True, "max_output_tokens": tokens}}
-    )
-    return wire, created["session"]["id"]
-
-
-async def resume(
-    url: str, session_id: str, last_seq: int, protocol: str = "json"
-) -> tuple[Wire, dict]:
-    wire = await Wire.open(url, protocol)
-    fresh = await wire.recv()  # the new socket's own session, dropped by the resume
-    assert fresh["type"] == "session.created" and fresh["session"]["id"] != session_id
-    await wire.send(
-        {"type": "session.resume", "session_id": session_id, "last_seq": last_seq, "event_id": "r"}
-    )
-    return wire, fresh
 
 
 async def test_resume_replays_then_continues(server: RunningServer) -> None:

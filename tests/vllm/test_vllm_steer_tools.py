@@ -8,7 +8,7 @@ import pytest
 
 from tokenwire.client import connect
 
-from .conftest import VllmServer
+from ..conftest import VllmServer
 
 pytestmark = pytest.mark.vllm
 

@@ -11,8 +11,8 @@ import pytest
 
 from tokenwire.client import connect
 
-from .conftest import VllmServer
-from .test_backpressure import raw_client
+from ..conftest import VllmServer
+from ..helpers.wire import raw_client
 
 pytestmark = pytest.mark.vllm
 

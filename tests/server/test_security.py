@@ -17,7 +17,7 @@ from tokenwire.config import ServerConfig
 from tokenwire.server.admission import KeyStore, key_id
 from tokenwire.wire.close_codes import CLOSE_IDLE
 
-from .conftest import _scripted_server, free_port, http_json, spawn_server
+from ..conftest import _scripted_server, free_port, http_json, spawn_server
 
 KEY = "tw-test-key-0123456789"
 OTHER = "tw-other-key-9876543210"

@@ -12,9 +12,8 @@ import pytest
 
 from tokenwire.client import connect
 
-from .conftest import ARTIFACTS, RedisServer, VllmServer, spawn_server
-from .test_redis import Reader, until_done_across_moves
-from .test_resume import Wire, resume
+from ..conftest import ARTIFACTS, RedisServer, VllmServer, spawn_server
+from ..helpers.wire import Reader, Wire, resume, until_done_across_moves
 
 pytestmark = pytest.mark.vllm
 

@@ -13,8 +13,7 @@ from tokenwire.core.session import Session
 from tokenwire.engines.base import EngineDelta
 from tokenwire.storage.redis import pack, unpack
 
-from .test_session import send, start
-from .test_session_tools import begin, call, output, types
+from ..helpers.session import begin, call, drive, output, start, types
 
 STRUCTURE_FREE = {"response.output_text.delta", "response.function_call_arguments.delta"}
 
@@ -111,7 +110,7 @@ def test_suspend_stops_generation_without_ending_the_response() -> None:
 
 def test_snapshot_keeps_the_conversation_and_settings() -> None:
     s = Session()
-    send(s, {"type": "session.update", "session": {"instructions": "Be brief.", "temperature": 0}})
+    drive(s, {"type": "session.update", "session": {"instructions": "Be brief.", "temperature": 0}})
     rid, action = start(s, "one")
     s.receive_engine_output(action.request.request_id, EngineDelta("uno", 1, "stop"))
     s.events_to_send()
@@ -119,7 +118,7 @@ def test_snapshot_keeps_the_conversation_and_settings() -> None:
     assert r.id == s.id and r.config == s.config
     assert r.items == s.items and r.history_bytes == s.history_bytes
     # A finished response is still known as finished.
-    events = send(r, {"type": "response.cancel", "response_id": rid, "event_id": "x"})
+    events = drive(r, {"type": "response.cancel", "response_id": rid, "event_id": "x"})
     assert events[0]["error"]["code"] == "response_not_active"
     _, action2 = start(r, "two")
     assert [m["content"] for m in action2.request.messages] == ["Be brief.", "one", "uno", "two"]

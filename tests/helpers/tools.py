@@ -1,0 +1,14 @@
+"""Tool definitions the tests offer."""
+
+from __future__ import annotations
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
