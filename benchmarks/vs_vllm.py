@@ -69,6 +69,7 @@ from ._compare import (
 )
 from ._server import (
     RESULTS,
+    VLLM_EAGER,
     free_port,
     http_ok,
     server_process,
@@ -205,7 +206,12 @@ def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         url, tw_proc = stack.enter_context(
             tokenwire_process(
-                "--engine", "vllm", "--log-level", "warning", log_name="vs-vllm-tokenwire.log"
+                "--engine",
+                "vllm",
+                "--log-level",
+                "warning",
+                *VLLM_EAGER,
+                log_name="vs-vllm-tokenwire.log",
             )
         )
         startup["tokenwire"] = time.perf_counter() - t0

@@ -27,6 +27,8 @@ export interface SessionConfig {
   temperature?: number;
   max_output_tokens?: number;
   tool_timeout_s?: number;
+  /** Scheduling priority; a lower value runs first. */
+  priority?: number;
 }
 
 export interface SessionObject extends Required<Omit<SessionConfig, "max_output_tokens">> {
@@ -79,6 +81,8 @@ export interface ResponseParams {
   /** Items for this response; a string is one user message. */
   input?: ItemInput[] | string;
   metadata?: Record<string, string>;
+  /** Scheduling priority of this response; a lower value runs first. */
+  priority?: number;
   /** Benchmarking knob: generate exactly max_output_tokens. */
   ignore_eos?: boolean;
 }
@@ -100,7 +104,12 @@ export interface ResponseObject {
   metadata: Record<string, string> | null;
   output: Item[];
   usage?: { input_tokens: number; output_tokens: number; cached_tokens: number; total_tokens: number };
-  timings?: { ttft_ms: number | null; total_ms: number; output_tokens_per_s: number | null };
+  timings?: {
+    ttft_ms: number | null;
+    queue_wait_ms: number;
+    total_ms: number;
+    output_tokens_per_s: number | null;
+  };
 }
 
 export interface ErrorObject {

@@ -14,9 +14,10 @@ _HELP = {
     "port": "port to listen on",
     "engine": "vllm (the real model) or scripted (deterministic, for tests and benchmarks)",
     "model": "a local Hugging Face-format directory; default: the bundled SmolLM2-135M-Instruct",
-    "dtype": "model dtype for vLLM (float32 is fastest on CPUs without AVX512-BF16)",
+    "dtype": "model dtype, a shortcut for vLLM's --dtype (default: vLLM's for the platform; "
+    "on CPUs float32, the fastest without AVX512-BF16)",
     "max_message_bytes": "largest client frame; a bigger one closes the connection with 1009",
-    "max_model_len": "context length the engine is built for",
+    "max_model_len": "context length, a shortcut for vLLM's --max-model-len (default: the model's)",
     "kv_cache_gib": "KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB",
     "scripted_tokens_per_s": "token rate of the scripted engine (0: as fast as possible)",
     "max_active_responses": "responses one connection may run at once",
@@ -53,6 +54,22 @@ _HELP = {
     "log_level": "debug, info, warning or error",
 }
 _CHOICES = {"engine": ["vllm", "scripted"], "log_level": ["debug", "info", "warning", "error"]}
+_TYPES: dict[str, type] = {"max_model_len": int}
+_SHORTCUTS = ("model", "dtype", "max_model_len")
+_VLLM_EPILOG = """\
+vLLM engine flags (--engine vllm): tokenwire serve [tokenwire flags] -- [vLLM flags]
+  Everything after `--` goes to vLLM's own engine argument parser, with vLLM's
+  defaults for the platform: `tokenwire serve -- --help` lists every flag, and
+  `-- --config engine.yaml` reads them from a file. For example:
+    tokenwire serve --model /models/llama-70b-awq -- --tensor-parallel-size 4 \\
+        --gpu-memory-utilization 0.92 --quantization awq --max-num-seqs 128
+  tokenwire forces two settings: --enable-prefix-caching (steer, tool
+  continuations, resume and slow-client pauses resubmit the conversation; the
+  prefix cache makes that cheap) and stats on (the load tracker behind
+  /healthz, /metrics and response timings reads the scheduler's stats).
+  --model, --dtype and --max-model-len above are shortcuts for vLLM's flags of
+  the same names; where both are given, the vLLM flag wins (a log line says so).
+"""
 
 
 def _env_default(name: str, default: Any) -> Any:
@@ -79,7 +96,9 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
                 flag, action=argparse.BooleanOptionalAction, default=default, help=helptext
             )
             continue
-        kind = type(getattr(defaults, name)) if getattr(defaults, name) is not None else str
+        kind = _TYPES.get(name) or (
+            type(getattr(defaults, name)) if getattr(defaults, name) is not None else str
+        )
         parser.add_argument(
             flag, type=kind, default=default, choices=_CHOICES.get(name), help=helptext
         )
@@ -90,7 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tokenwire", description="Realtime WebSocket server for LLM token streams."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve ws://HOST:PORT/v1/realtime")
+    serve = sub.add_parser(
+        "serve",
+        help="serve ws://HOST:PORT/v1/realtime",
+        usage="tokenwire serve [tokenwire flags] [-- vLLM engine flags]",
+        epilog=_VLLM_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_serve_flags(serve)
     models = sub.add_parser("models", help="manage models")
     msub = models.add_subparsers(dest="models_command", required=True)
@@ -100,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_argv: list[str] = []
+    if "--" in argv:  # `serve [ours] -- [vLLM's]`
+        cut = argv.index("--")
+        argv, vllm_argv = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
     if args.command == "models":
         from .models import ModelError, prepare_default_model
@@ -112,8 +142,36 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
 
-    config = ServerConfig(**{name: getattr(args, name) for name in FIELDS})
+    config = ServerConfig(
+        **{name: getattr(args, name) for name in FIELDS},
+        vllm_args=tuple(vllm_argv),
+        shortcuts_given=tuple(n for n in _SHORTCUTS if _given(n, argv)),
+    )
+    if vllm_argv and config.engine != "vllm":
+        print(
+            f"error: flags after `--` are vLLM engine flags; --engine {config.engine} takes none",
+            file=sys.stderr,
+        )
+        return 2
+    if config.engine == "vllm":
+        # vLLM's argument module takes seconds to import: only for this engine.
+        from .engines.vllm_args import check_or_exit
+
+        check_or_exit(vllm_argv)
     return serve(config)
+
+
+def _vllm_names_model(config: ServerConfig) -> bool:
+    from .engines.vllm_args import given_by_vllm
+
+    return given_by_vllm(config.vllm_args, "model")
+
+
+def _given(name: str, argv: list[str]) -> bool:
+    """The user set this flag on tokenwire's side (the command line or env)."""
+    flag = "--" + name.replace("_", "-")
+    in_argv = any(a == flag or a.startswith(flag + "=") for a in argv)
+    return in_argv or env_name(name) in os.environ
 
 
 def serve(config: ServerConfig) -> int:
@@ -123,9 +181,13 @@ def serve(config: ServerConfig) -> int:
     from .server import TokenwireServer
 
     logs.configure(config.log_level)
-    from .server.admission import KeyStore, is_loopback
+    from .server.admission import KeyFileError, KeyStore, is_loopback
 
-    keys = KeyStore.load(config.api_keys_file, config.api_keys)
+    try:
+        keys = KeyStore.load(config.api_keys_file, config.api_keys)
+    except (KeyFileError, OSError) as exc:
+        print(f"error: API keys: {exc}", file=sys.stderr)
+        return 2
     if not keys.enabled and not config.insecure and not is_loopback(config.host):
         print(
             f"error: refusing to serve {config.host} without API keys. Pass --api-keys-file "
@@ -133,7 +195,7 @@ def serve(config: ServerConfig) -> int:
             file=sys.stderr,
         )
         return 2
-    if config.engine == "vllm":
+    if config.engine == "vllm" and not _vllm_names_model(config):
         # Prepare the model here, in the foreground, so its progress is visible.
         from .models import ModelError, resolve_model
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(slots=True)
@@ -11,9 +11,11 @@ class ServerConfig:
     port: int = 8765
     engine: str = "vllm"
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "float32"  # bfloat16 is slower on CPUs without AVX512-BF16
+    # None: vLLM's default for the platform (on CPUs tokenwire picks float32,
+    # as bfloat16 is slower without AVX512-BF16).
+    dtype: str | None = None
     max_message_bytes: int = 1 << 20
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: the model's own context length
     kv_cache_gib: float = 1.0
     scripted_tokens_per_s: float = 50.0
     max_active_responses: int = 8
@@ -58,10 +60,14 @@ class ServerConfig:
     idle_timeout_s: float = 600.0  # no client frame and nothing running: close (4000)
     log_content: bool = False  # log message text; off so logs never hold user data
     log_level: str = "info"
+    # vLLM's own engine flags (everything after `--`), and which of the
+    # shortcuts above the user set on tokenwire's side; not flags themselves.
+    vllm_args: tuple[str, ...] = field(default=(), metadata={"cli": False})
+    shortcuts_given: tuple[str, ...] = field(default=(), metadata={"cli": False})
 
 
 def env_name(field_name: str) -> str:
     return "TOKENWIRE_" + field_name.upper()
 
 
-FIELDS = {f.name: f for f in fields(ServerConfig)}
+FIELDS = {f.name: f for f in fields(ServerConfig) if f.metadata.get("cli", True)}

@@ -69,7 +69,11 @@ async def engine(request: pytest.FixtureRequest) -> AsyncIterator[Engine]:
     else:
         from tokenwire.engines.vllm import VllmEngine
 
-        made = VllmEngine(ServerConfig(engine="vllm", kv_cache_gib=1.0, max_model_len=2048))
+        made = VllmEngine(
+            ServerConfig(
+                engine="vllm", kv_cache_gib=1.0, max_model_len=2048, vllm_args=("--enforce-eager",)
+            )
+        )
     await made.start()
     try:
         yield made

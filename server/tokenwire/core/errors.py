@@ -28,6 +28,7 @@ class ErrorCode(StrEnum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     CONVERSATION_TOO_LARGE = "conversation_too_large"
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+    PRIORITY_NOT_ALLOWED = "priority_not_allowed"
     SESSION_NOT_FOUND = "session_not_found"
     RESUME_NOT_POSSIBLE = "resume_not_possible"
     ENGINE_UNAVAILABLE = "engine_unavailable"

@@ -56,6 +56,7 @@ class Lifecycle:
 
     def __init__(
         self,
+        session_id: str,
         out: Outputs,
         conversation: Conversation,
         clock: Callable[[], float],
@@ -63,6 +64,7 @@ class Lifecycle:
         preflight: Preflight | None,
         quota: Quota | None,
     ) -> None:
+        self.session_id = session_id
         self._out = out
         self.conversation = conversation
         self.clock = clock
@@ -93,6 +95,8 @@ class Lifecycle:
         if delta.prompt_tokens is not None:
             resp.input_tokens += delta.prompt_tokens
             resp.cached_tokens += delta.cached_tokens or 0
+        if delta.queue_wait_s is not None:
+            resp.queue_wait_s += delta.queue_wait_s
         resp.output_tokens += delta.output_tokens
         if self.quota is not None:
             self.quota.spend_tokens(delta.output_tokens)
@@ -227,6 +231,8 @@ class Lifecycle:
             ignore_eos=params["ignore_eos"],
             tools=tools,
             tool_choice=choice,
+            priority=params.get("priority", 0),
+            session_id=self.session_id,
         )
 
     def checked_request(
@@ -415,38 +421,3 @@ class Lifecycle:
     def _response_for(self, request_id: str) -> Response | None:
         response_id = self._requests.get(request_id)
         return self.responses.get(response_id) if response_id else None
-
-    def find_active(self, response_id: str | None, event_id: str | None, verb: str) -> Response:
-        if response_id is None:
-            active = self.active
-            conv = [r for r in active if r.in_conversation]
-            if len(conv) == 1 or len(active) == 1:
-                return conv[0] if conv else active[0]
-            if not active:
-                raise ProtocolError(
-                    ErrorCode.RESPONSE_NOT_ACTIVE,
-                    f"no active response to {verb}",
-                    event_id=event_id,
-                )
-            raise ProtocolError(
-                ErrorCode.MISSING_FIELD,
-                f"several responses are active; name one with response_id to {verb}",
-                event_id=event_id,
-                param="response_id",
-            )
-        resp = self.responses.get(response_id)
-        if resp is not None:
-            return resp
-        if response_id in self.finished:
-            raise ProtocolError(
-                ErrorCode.RESPONSE_NOT_ACTIVE,
-                f"response {response_id} has already finished",
-                event_id=event_id,
-                param="response_id",
-            )
-        raise ProtocolError(
-            ErrorCode.UNKNOWN_RESPONSE,
-            f"no response {response_id!r} in this session",
-            event_id=event_id,
-            param="response_id",
-        )

@@ -52,6 +52,7 @@ class Response:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    queue_wait_s: float = 0.0  # waiting for the engine's scheduler, all generations
     first_token_at: float | None = None
     done_at: float | None = None
 
@@ -154,6 +155,7 @@ class Response:
             decode = total - ttft if ttft is not None else 0.0
             out["timings"] = {
                 "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
+                "queue_wait_ms": round(self.queue_wait_s * 1000, 2),
                 "total_ms": round(total * 1000, 2),
                 "output_tokens_per_s": (
                     round((self.output_tokens - 1) / decode, 2)

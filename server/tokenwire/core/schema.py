@@ -59,6 +59,8 @@ ItemId = Annotated[
 ]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 MaxTokens = Annotated[int, Field(ge=1, le=(1 << 31) - 1)]
+# vLLM's convention: a lower value is scheduled first.
+Priority = Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
 
 
 class MessageItem(BaseModel):
@@ -110,6 +112,7 @@ class _Settings(BaseModel):
     parallel_tool_calls: bool | None = None
     temperature: Temperature | None = None
     max_output_tokens: MaxTokens | None = None
+    priority: Priority | None = None
 
 
 class SessionConfig(_Settings):

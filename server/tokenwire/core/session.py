@@ -37,6 +37,7 @@ _RESPONSE_SETTINGS = (
     "temperature",
     "max_output_tokens",
     "tool_timeout_s",
+    "priority",
 )
 
 
@@ -51,6 +52,9 @@ class SessionLimits:
     max_conversation_bytes: int = 1 << 20
     # Client events per second (burst: twice that); 0 means unlimited.
     max_events_per_s: float = 0.0
+    # The best (lowest) priority this session may ask for, set per API key so a
+    # batch key cannot jump the queue; None: any. Also its default priority.
+    min_priority: int | None = None
 
 
 class Session:
@@ -82,17 +86,26 @@ class Session:
             "temperature": 1.0,
             "max_output_tokens": None,
             "tool_timeout_s": self.limits.tool_timeout_s,
+            "priority": max(self.limits.min_priority or 0, 0),
         }
         self.info = dict(info or {})
         self.conversation = Conversation(self.limits.max_conversation_bytes)
         self._out = Outputs()
         self.lifecycle = Lifecycle(
+            self.id,
             self._out,
             self.conversation,
             clock,
             capabilities,
             preflight if capabilities.preflight else None,
             quota,
+        )
+        # Called once or more per token: bound straight to their owners, so
+        # the per-token path takes no extra hop through the session.
+        self.events_to_send: Callable[[], list[dict[str, Any]]] = self._out.take_events
+        self.actions_to_perform: Callable[[], list[Action]] = self._out.take_actions
+        self.receive_engine_output: Callable[[str, EngineDelta], None] = (
+            self.lifecycle.receive_engine_output
         )
         # Client frames taken so far (a resume request excepted): a resuming
         # client resends only what comes after them.
@@ -101,12 +114,6 @@ class Session:
         self._emit({"type": ev.SESSION_CREATED, "session": self.describe()})
 
     # -- outputs -----------------------------------------------------------
-
-    def events_to_send(self) -> list[dict[str, Any]]:
-        return self._out.take_events()
-
-    def actions_to_perform(self) -> list[Action]:
-        return self._out.take_actions()
 
     def update_info(self, **info: Any) -> None:
         """Facts about the session the runtime knows (e.g. its subprotocol)."""
@@ -185,6 +192,7 @@ class Session:
         tools = update.get("tools", self.config["tools"])
         choice = update.get("tool_choice", self.config["tool_choice"])
         check_tool_choice(choice, tools, ev_.event_id, "session.tool_choice")
+        self._check_priority(update.get("priority"), ev_.event_id, "session.priority")
         self.config.update(update)
         self._emit({"type": ev.SESSION_UPDATED, "session": self.describe()}, ev_.event_id)
 
@@ -240,6 +248,7 @@ class Session:
         )
         params["ignore_eos"] = rp.ignore_eos
         check_tool_choice(params["tool_choice"], params["tools"], event_id, "response.tool_choice")
+        self._check_priority(given.get("priority"), event_id, "response.priority")
         raw_inputs = rp.input or []
         inputs = [
             conv.new_item(raw, event_id) for raw in raw_inputs if isinstance(raw, s.MessageItem)
@@ -284,7 +293,7 @@ class Session:
         self.lifecycle.add(resp, request)
 
     def _on_response_cancel(self, ev_: s.ResponseCancel) -> None:
-        resp = self.lifecycle.find_active(ev_.response_id, ev_.event_id, "cancel")
+        resp = self._find_active(ev_.response_id, ev_.event_id, "cancel")
         self.lifecycle.abort_current(resp)
         self.lifecycle.finish(
             resp, ResponseStatus.CANCELLED, {"type": "cancelled", "reason": "client_cancelled"}
@@ -292,7 +301,7 @@ class Session:
 
     def _on_response_steer(self, ev_: s.ResponseSteer) -> None:
         lifecycle = self.lifecycle
-        resp = lifecycle.find_active(ev_.response_id, ev_.event_id, "steer")
+        resp = self._find_active(ev_.response_id, ev_.event_id, "steer")
         if resp.status is not ResponseStatus.IN_PROGRESS:
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,
@@ -343,9 +352,6 @@ class Session:
 
     # -- engine, timers, and the client's pace --------------------------------
 
-    def receive_engine_output(self, request_id: str, delta: EngineDelta) -> None:
-        self.lifecycle.receive_engine_output(request_id, delta)
-
     def receive_engine_error(self, request_id: str, exc: EngineError) -> None:
         self.lifecycle.receive_engine_error(request_id, exc)
 
@@ -378,6 +384,52 @@ class Session:
         self.closed = True
 
     # -- internals -------------------------------------------------------------
+
+    def _find_active(self, response_id: str | None, event_id: str | None, verb: str) -> Response:
+        if response_id is None:
+            active = self.active_responses
+            conv = [r for r in active if r.in_conversation]
+            if len(conv) == 1 or len(active) == 1:
+                return conv[0] if conv else active[0]
+            if not active:
+                raise ProtocolError(
+                    ErrorCode.RESPONSE_NOT_ACTIVE,
+                    f"no active response to {verb}",
+                    event_id=event_id,
+                )
+            raise ProtocolError(
+                ErrorCode.MISSING_FIELD,
+                f"several responses are active; name one with response_id to {verb}",
+                event_id=event_id,
+                param="response_id",
+            )
+        resp = self.lifecycle.responses.get(response_id)
+        if resp is not None:
+            return resp
+        if response_id in self.lifecycle.finished:
+            raise ProtocolError(
+                ErrorCode.RESPONSE_NOT_ACTIVE,
+                f"response {response_id} has already finished",
+                event_id=event_id,
+                param="response_id",
+            )
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_RESPONSE,
+            f"no response {response_id!r} in this session",
+            event_id=event_id,
+            param="response_id",
+        )
+
+    def _check_priority(self, priority: int | None, event_id: str | None, param: str) -> None:
+        floor = self.limits.min_priority
+        if priority is not None and floor is not None and priority < floor:
+            raise ProtocolError(
+                ErrorCode.PRIORITY_NOT_ALLOWED,
+                f"priority {priority} is not allowed for this API key; its best is {floor} "
+                "(a lower value runs first)",
+                event_id=event_id,
+                param=param,
+            )
 
     def _emit(self, event: dict[str, Any], event_id: str | None = None) -> None:
         self._out.emit(event, event_id)

@@ -121,6 +121,7 @@ def _restore_response(session: Session, rs: dict[str, Any], now: float, wall: fl
         input_tokens=rs["input_tokens"],
         cached_tokens=rs["cached_tokens"],
         output_tokens=rs["output_tokens"],
+        queue_wait_s=rs.get("queue_wait_s", 0.0),
         first_token_at=None
         if rs["first_token_wall"] is None
         else now - (wall - rs["first_token_wall"]),
@@ -152,6 +153,7 @@ def _response_state(resp: Response, now: float, wall: float) -> dict[str, Any]:
         "input_tokens": resp.input_tokens,
         "cached_tokens": resp.cached_tokens,
         "output_tokens": resp.output_tokens,
+        "queue_wait_s": resp.queue_wait_s,
         "first_token_wall": None
         if resp.first_token_at is None
         else wall - (now - resp.first_token_at),

@@ -27,6 +27,11 @@ class GenerationRequest:
     # The prompt as the engine's preflight rendered it, so generate() does
     # not render it again; None: generate() renders it.
     rendered: tuple[int, ...] | None = None
+    # Scheduling priority, vLLM's convention: a lower value runs first.
+    priority: int = 0
+    # The session it belongs to: engines keep a session on one rank or
+    # replica (its prefix cache), by this key.
+    session_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,8 @@ class EngineDelta:
     tool_calls: list[ToolCallDelta] | None = None
     # The engine's ids for this delta's tokens; what a resume resubmits.
     token_ids: list[int] | None = None
+    # Set on the first delta: how long the request waited for the scheduler.
+    queue_wait_s: float | None = None
 
 
 @dataclass(slots=True)

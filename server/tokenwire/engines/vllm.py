@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import zlib
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,12 +37,17 @@ def _load_tracker_class() -> type:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class LoadTracker(StatLoggerBase):
-        """Keeps the scheduler's latest running/waiting counts."""
+        """Keeps each data-parallel rank's latest running/waiting counts."""
 
-        latest: ClassVar[dict[str, int]] = {"running": 0, "waiting": 0}
+        by_rank: ClassVar[dict[int, dict[str, int]]] = {}
 
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             pass
+
+        @classmethod
+        def totals(cls) -> dict[str, int]:
+            ranks = list(cls.by_rank.values())
+            return {k: sum(r[k] for r in ranks) for k in ("running", "waiting")}
 
         def record(
             self,
@@ -50,7 +57,7 @@ def _load_tracker_class() -> type:
             engine_idx: int = 0,
         ) -> None:
             if scheduler_stats is not None:
-                LoadTracker.latest = {
+                LoadTracker.by_rank[engine_idx] = {
                     "running": scheduler_stats.num_running_reqs,
                     "waiting": scheduler_stats.num_waiting_reqs
                     + scheduler_stats.num_skipped_waiting_reqs,
@@ -62,9 +69,16 @@ def _load_tracker_class() -> type:
     return LoadTracker
 
 
+def rank_of(session_id: str | None, ranks: int) -> int | None:
+    """A session's data-parallel rank: stable across processes and restarts,
+    so every generation of a session meets its own prefix cache."""
+    if ranks <= 1 or not session_id:
+        return None
+    return zlib.crc32(session_id.encode()) % ranks
+
+
 class VllmEngine:
     name = "vllm"
-    capabilities = EngineCapabilities(resume_from_token_ids=True, preflight=True)
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -75,6 +89,11 @@ class VllmEngine:
         self._max_len: int | None = None
         self._ready = asyncio.Event()
         self._failure: str | None = None
+        # Priority reaches the scheduler only with --scheduling-policy priority.
+        self.capabilities = EngineCapabilities(resume_from_token_ids=True, preflight=True)
+        self.ranks = 1  # data-parallel ranks
+        self.sent_by_rank: Counter[int] = Counter()
+        self._warned_priority = False
 
     @property
     def ready(self) -> bool:
@@ -96,32 +115,49 @@ class VllmEngine:
 
     async def _start(self) -> None:
         from ..models import resolve_model
+        from .vllm_args import engine_args, given_by_vllm
 
-        # Conversion of the bundled model (first run only) is CPU-bound.
-        path = await asyncio.to_thread(resolve_model, self.config.model)
-        self.model_path = str(path)
+        if not given_by_vllm(self.config.vllm_args, "model"):
+            # Conversion of the bundled model (first run only) is CPU-bound.
+            path = await asyncio.to_thread(resolve_model, self.config.model)
+            self.model_path = str(path)
         # The flag (or TOKENWIRE_KV_CACHE_GIB) is the one knob; vLLM reads this.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.config.kv_cache_gib:g}"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
+        settings = engine_args(
+            self.config.vllm_args,
             model=self.model_path,
             dtype=self.config.dtype,
             max_model_len=self.config.max_model_len,
-            enable_prefix_caching=True,
-            enforce_eager=True,
-            disable_log_stats=False,
+            shortcuts_given=self.config.shortcuts_given,
         )
+        for note in settings.notes:
+            log.info("engine_setting", note=note)
+        args = settings.args
+        self.model_path = args.model
         self._tracker = _load_tracker_class()
-        log.info("engine_starting", model=self.model_path, dtype=self.config.dtype)
+        log.info(
+            "engine_starting",
+            model=args.model,
+            dtype=args.dtype,
+            data_parallel_size=args.data_parallel_size,
+            scheduling_policy=args.scheduling_policy,
+        )
         # Building the engine blocks for ~25 s; keep the event loop serving.
         self._llm = await asyncio.to_thread(
             AsyncLLM.from_engine_args, args, stat_loggers=[self._tracker]
         )
         self._tokenizer = self._llm.get_tokenizer()
         self._max_len = self._llm.model_config.max_model_len
+        vllm_config = self._llm.vllm_config
+        self.ranks = vllm_config.parallel_config.data_parallel_size
+        self.capabilities = EngineCapabilities(
+            resume_from_token_ids=True,
+            preflight=True,
+            priority=vllm_config.scheduler_config.policy == "priority",
+        )
         # vLLM reads settings from the environment per token unless cached;
         # its own servers cache them once started (engine core does the same).
         from vllm.envs import enable_envs_cache
@@ -137,12 +173,13 @@ class VllmEngine:
     def load(self) -> EngineLoad:
         if self._llm is None or self._tracker is None:
             return EngineLoad()
-        latest = self._tracker.latest
-        return EngineLoad(
-            running=latest["running"],
-            waiting=latest["waiting"],
-            extra={"unfinished": self._llm.output_processor.get_num_unfinished_requests()},
-        )
+        totals = self._tracker.totals()
+        extra: dict[str, Any] = {
+            "unfinished": self._llm.output_processor.get_num_unfinished_requests()
+        }
+        if self.ranks > 1:
+            extra["requests_by_rank"] = {str(r): n for r, n in sorted(self.sent_by_rank.items())}
+        return EngineLoad(running=totals["running"], waiting=totals["waiting"], extra=extra)
 
     def _template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Tool turns in the shape the chat template understands."""
@@ -223,8 +260,24 @@ class VllmEngine:
             skip_special_tokens=parser.skip_special_tokens if parser else True,
             structured_outputs=StructuredOutputsParams(json=schema) if schema else None,
         )
+        if request.priority and not self.capabilities.priority and not self._warned_priority:
+            self._warned_priority = True
+            log.warning(
+                "priority_ignored",
+                hint="requests carry priorities, but vLLM schedules first come, first served; "
+                "start with `-- --scheduling-policy priority`",
+            )
+        rank = rank_of(request.session_id, self.ranks)
+        if rank is not None:
+            self.sent_by_rank[rank] += 1
         first = True
-        async for out in self._llm.generate({"prompt_token_ids": ids}, params, request.request_id):
+        async for out in self._llm.generate(
+            {"prompt_token_ids": ids},
+            params,
+            request.request_id,
+            priority=request.priority,
+            data_parallel_rank=rank,
+        ):
             completion = out.outputs[0]
             text, calls = completion.text, None
             if scanner is not None:
@@ -239,8 +292,16 @@ class VllmEngine:
                 cached_tokens=(out.num_cached_tokens or 0) if first else None,
                 tool_calls=calls or None,
                 token_ids=list(completion.token_ids),
+                queue_wait_s=_queue_wait(out.metrics) if first else None,
             )
             first = False
+
+
+def _queue_wait(stats: Any) -> float | None:
+    """Seconds the request waited for the scheduler (engine-core clock)."""
+    if stats is None or not stats.scheduled_ts or not stats.queued_ts:
+        return None
+    return max(stats.scheduled_ts - stats.queued_ts, 0.0)
 
 
 def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:

@@ -79,6 +79,7 @@ class Delivery:
     ) -> None:
         self._owner = owner
         self.log = log
+        self._durable = log.durable  # read per event on the fast path
         self.dialect = dialect
         self.pace = pace
         # The last seq logged, and the last one the attached socket was sent.
@@ -204,7 +205,7 @@ class Delivery:
         if (
             ws is None
             or not self.live
-            or self.log.durable
+            or self._durable
             or len(self.outbox)
             or self.behind()
             or ws.protocol.state is not State.OPEN
@@ -246,7 +247,12 @@ class Delivery:
     def behind(self) -> bool:
         """The client fell behind and has not been seen to catch up (the
         writer task's `_caught_up` ends this)."""
-        return self.paused or self.clocks_running or not self.drained.is_set()
+        return (
+            self.paused
+            or self._stall_timer is not None
+            or self._slow_timer is not None
+            or not self.drained.is_set()
+        )
 
     def _arm_clocks(self) -> None:
         """The client is behind: from now on it has stall_s, then slow_client_timeout_s."""

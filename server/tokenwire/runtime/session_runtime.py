@@ -56,6 +56,7 @@ class KeyQuota(Quota, Protocol):
     """The API key's shared limits (server.admission.KeyUsage)."""
 
     key_id: str
+    min_priority: int | None
 
 
 # Finds what serves a `session.resume` for a key, or raises ProtocolError.
@@ -85,6 +86,7 @@ class SessionRuntime:
                 tool_timeout_s=config.tool_timeout_s,
                 max_conversation_bytes=config.max_conversation_bytes,
                 max_events_per_s=config.max_events_per_s,
+                min_priority=usage.min_priority if usage is not None else None,
             ),
             "info": {
                 "engine": engine.name,

@@ -35,13 +35,54 @@ def key_id(key: str) -> str:
     return "key_" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
+class KeyFileError(ValueError):
+    """A key entry tokenwire cannot read; the message says which and why."""
+
+
+# Options a key entry may carry after the key: `KEY min_priority=10`.
+KEY_OPTIONS = {"min_priority": int}
+
+
+def parse_key_entry(line: str) -> tuple[str, dict[str, int]] | None:
+    """`KEY [name=value ...]`; None for a blank line or a comment."""
+    line = line.strip()
+    if not line or line.startswith("#"):
+        return None
+    key, *rest = line.split()
+    options: dict[str, int] = {}
+    for item in rest:
+        name, sep, value = item.partition("=")
+        if not sep or name not in KEY_OPTIONS:
+            raise KeyFileError(
+                f"key {key_id(key)}: unknown option {item!r}; known: "
+                f"{', '.join(f'{n}=N' for n in KEY_OPTIONS)}"
+            )
+        try:
+            options[name] = KEY_OPTIONS[name](value)
+        except ValueError:
+            raise KeyFileError(f"key {key_id(key)}: {name} must be an integer") from None
+    return key, options
+
+
 class KeyStore:
     def __init__(self, keys: Iterable[str] = ()) -> None:
         self._digests: dict[bytes, str] = {}
-        for key in keys:
-            key = key.strip()
-            if key and not key.startswith("#"):
-                self._digests[hashlib.sha256(key.encode()).digest()] = key_id(key)
+        self._options: dict[str, dict[str, int]] = {}  # key id -> options
+        for line in keys:
+            entry = parse_key_entry(line)
+            if entry is not None:
+                key, options = entry
+                kid = key_id(key)
+                self._digests[hashlib.sha256(key.encode()).digest()] = kid
+                self._options[kid] = options
+
+    def min_priority(self, kid: str) -> int | None:
+        """The best (lowest) priority this key's sessions may ask for."""
+        return self._options.get(kid, {}).get("min_priority")
+
+    @property
+    def has_priority_floors(self) -> bool:
+        return any("min_priority" in o for o in self._options.values())
 
     @classmethod
     def load(cls, path: str | None, env_keys: str | None) -> KeyStore:
@@ -99,6 +140,7 @@ class KeyUsage:
     tokens: TokenBucket | None
     connections: int = 0
     responses: int = 0
+    min_priority: int | None = None  # see KeyStore.min_priority
 
     def acquire_response(self) -> tuple[ErrorCode, str] | None:
         """Reserve a response slot, or say why not."""
@@ -127,9 +169,15 @@ class KeyUsage:
 class Limiter:
     """Per-key usage, created on first use."""
 
-    def __init__(self, max_responses_per_key: int, tokens_per_s_per_key: float) -> None:
+    def __init__(
+        self,
+        max_responses_per_key: int,
+        tokens_per_s_per_key: float,
+        key_store: KeyStore | None = None,
+    ) -> None:
         self.max_responses = max_responses_per_key
         self.tokens_per_s = tokens_per_s_per_key
+        self.key_store = key_store
         self.keys: dict[str, KeyUsage] = {}
 
     def usage(self, key_id: str) -> KeyUsage:
@@ -138,7 +186,12 @@ class Limiter:
             bucket = None
             if self.tokens_per_s > 0:
                 bucket = TokenBucket(self.tokens_per_s, burst=self.tokens_per_s * 2)
-            usage = self.keys[key_id] = KeyUsage(key_id, self.max_responses, bucket)
+            usage = self.keys[key_id] = KeyUsage(
+                key_id,
+                self.max_responses,
+                bucket,
+                min_priority=self.key_store.min_priority(key_id) if self.key_store else None,
+            )
         return usage
 
     def forget_idle(self, key_id: str) -> None:
@@ -154,7 +207,7 @@ class Admission:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.keys = KeyStore.load(config.api_keys_file, config.api_keys)
-        self.limiter = Limiter(config.max_responses_per_key, config.tokens_per_s_per_key)
+        self.limiter = Limiter(config.max_responses_per_key, config.tokens_per_s_per_key, self.keys)
         # Handshakes that passed auth, waiting for their handler: connection -> key id.
         # Weak: a handshake that fails after auth never reaches its handler.
         self._accepted: weakref.WeakKeyDictionary[ServerConnection, str] = (

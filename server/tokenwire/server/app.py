@@ -172,6 +172,7 @@ class TokenwireServer:
         self._engine_task = asyncio.create_task(self.engine.start())
         self._engine_task.add_done_callback(_ignore_result)
         self._engine_task.add_done_callback(_freeze_heap)
+        self._engine_task.add_done_callback(self._check_priority_lanes)
         self._server = await serve(
             self._handle,
             self.config.host,
@@ -202,6 +203,16 @@ class TokenwireServer:
             url=f"ws://{self.config.host}:{self.port}{REALTIME_PATH}",
             engine=self.engine.name,
         )
+
+    def _check_priority_lanes(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        if self.admission.keys.has_priority_floors and not self.engine.capabilities.priority:
+            log.warning(
+                "priority_lanes_off",
+                hint="API keys cap priorities, but the engine schedules first come, first "
+                "served; start it with `-- --scheduling-policy priority`",
+            )
 
     @property
     def port(self) -> int:

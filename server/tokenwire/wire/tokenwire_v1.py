@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .codec import MsgpackEncoder, decode_frame, encode_json
+from .codec import decode_frame, encode_json, msgpack_encoder
 
 SUBPROTOCOL_JSON = "tokenwire.v1.json"
 SUBPROTOCOL_MSGPACK = "tokenwire.v1.msgpack"
@@ -21,7 +21,7 @@ class TokenwireV1:
     def __init__(self, subprotocol: str | None = None) -> None:
         self.subprotocol = subprotocol or SUBPROTOCOL_JSON
         self.binary = self.subprotocol == SUBPROTOCOL_MSGPACK
-        self.encode = MsgpackEncoder() if self.binary else encode_json
+        self.encode = msgpack_encoder() if self.binary else encode_json
 
     @staticmethod
     def parse(frame: str | bytes) -> Any:

@@ -1,0 +1,160 @@
+"""vLLM's own engine flags, passed through: `tokenwire serve ... -- FLAGS`.
+
+Everything after `--` is parsed by vLLM's parser (`AsyncEngineArgs.add_cli_args`,
+`--config FILE.yaml` included), so every engine flag works as it does for
+`vllm serve`, with vLLM's defaults for the platform. tokenwire forces only
+what it needs (FORCED). Its own `--model`, `--dtype` and `--max-model-len` are
+shortcuts: when the vLLM side sets the same setting, the vLLM flag wins.
+
+Importing vLLM's argument module takes seconds, so this module is imported
+only for `--engine vllm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+# (setting, value, why tokenwire needs it)
+FORCED: tuple[tuple[str, Any, str], ...] = (
+    (
+        "enable_prefix_caching",
+        True,
+        "steer, tool continuations, resume and slow-client pauses resubmit the "
+        "conversation; the prefix cache makes that cheap",
+    ),
+    (
+        "disable_log_stats",
+        False,
+        "the load tracker behind /healthz, /metrics and response timings reads "
+        "the scheduler's stats",
+    ),
+)
+SHORTCUTS = ("model", "dtype", "max_model_len")
+# On CPUs, float32 is faster than the bfloat16 most checkpoints declare,
+# unless the CPU has AVX512-BF16 (measured: ~20 vs ~15-17 tokens/s here).
+CPU_DTYPE = "float32"
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+def forced_help() -> str:
+    lines = [
+        "Everything after `--` goes to vLLM's own engine argument parser, with vLLM's "
+        "defaults for the platform (`tokenwire serve -- --help` lists every flag; "
+        "`-- --config engine.yaml` reads them from a file). tokenwire forces:"
+    ]
+    for name, value, why in FORCED:
+        flag = "--" + name.replace("_", "-")
+        lines.append(f"  {flag}={value}: {why}.")
+    lines.append(
+        "--model, --dtype and --max-model-len above are shortcuts for vLLM's flags of "
+        "the same names; where both are given, the vLLM flag wins."
+    )
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Parser(FlexibleArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            # One line that names the flag, not vLLM's 300-flag usage.
+            self.exit(
+                2,
+                f"error: vLLM engine flags (after --): {message}\n"
+                "`tokenwire serve -- --help` lists them\n",
+            )
+
+    made = Parser(prog="tokenwire serve [tokenwire flags] --")
+    AsyncEngineArgs.add_cli_args(made)
+    # To tell a setting the user gave from vLLM's default.
+    made.set_defaults(**dict.fromkeys(SHORTCUTS, UNSET))
+    return made
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """vLLM's flags, checked by vLLM's parser: an unknown flag or a bad value
+    exits with code 2 and a message that names it, as argparse does."""
+    return parser().parse_args(list(argv))
+
+
+def given_by_vllm(argv: Sequence[str], name: str) -> bool:
+    """The vLLM side sets `name` (on the command line or in its --config)."""
+    return getattr(parse(argv), name, UNSET) is not UNSET
+
+
+@dataclass
+class EngineSettings:
+    """The engine arguments, and what was decided on the user's behalf."""
+
+    args: Any  # vllm.engine.arg_utils.AsyncEngineArgs
+    notes: list[str] = field(default_factory=list)
+
+
+def engine_args(
+    argv: Sequence[str],
+    *,
+    model: str | None,
+    dtype: str | None,
+    max_model_len: int | None,
+    shortcuts_given: Sequence[str] = (),
+) -> EngineSettings:
+    """AsyncEngineArgs from vLLM's flags, tokenwire's shortcuts and FORCED.
+
+    `model` is the resolved model directory (None when the vLLM side names
+    one); `shortcuts_given` names the
+    shortcuts the user set on tokenwire's side (for the precedence note)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    ns = parse(argv)
+    notes: list[str] = []
+    ours = {"model": model, "dtype": dtype, "max_model_len": max_model_len}
+    for name in SHORTCUTS:
+        theirs = getattr(ns, name, UNSET)
+        if theirs is not UNSET:
+            if name in shortcuts_given:
+                notes.append(
+                    f"--{name.replace('_', '-')} is set on both sides; vLLM's {theirs!r} wins "
+                    f"over tokenwire's {ours[name]!r}"
+                )
+            continue
+        if ours[name] is not None:
+            setattr(ns, name, ours[name])
+        else:
+            delattr(ns, name)  # vLLM's own default
+    if not hasattr(ns, "dtype") and _on_cpu():
+        ns.dtype = CPU_DTYPE
+        notes.append(f"dtype {CPU_DTYPE} on this CPU (pass --dtype to choose another)")
+    for name, value, why in FORCED:
+        if getattr(ns, name, value) not in (value, None):
+            notes.append(f"--{name.replace('_', '-')} is forced to {value}: {why}")
+        setattr(ns, name, value)
+    return EngineSettings(AsyncEngineArgs.from_cli_args(ns), notes)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def check_or_exit(argv: Sequence[str]) -> None:
+    """Fail fast, before anything starts: vLLM's parser exits 2 on a bad flag."""
+    try:
+        parse(argv)
+    except SystemExit:
+        raise
+    except Exception as exc:  # a plugin or a config file that cannot be read
+        print(f"error: vLLM engine flags: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

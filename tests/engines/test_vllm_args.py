@@ -1,0 +1,133 @@
+"""vLLM's engine flags after `--`: parsed by vLLM's own parser, tokenwire's
+shortcuts and forced settings on top, and clear exits on bad flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenwire.engines.vllm import rank_of
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    """The bundled model, prepared by `make test`: vLLM checks what it is given."""
+    from tokenwire.models import resolve_model
+
+    return str(resolve_model(None))
+
+
+def settings(argv: list[str], **kw: object):  # type: ignore[no-untyped-def]
+    from tokenwire.engines.vllm_args import engine_args
+    from tokenwire.models import resolve_model
+
+    fields = {"model": str(resolve_model(None)), "dtype": None, "max_model_len": None, **kw}
+    return engine_args(argv, **fields)  # type: ignore[arg-type]
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tokenwire", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_any_engine_flag_passes_through(model: str) -> None:
+    got = settings(
+        ["--max-num-seqs", "3", "--scheduling-policy", "priority", "-dp", "2", "--seed", "7"]
+    ).args
+    assert (got.max_num_seqs, got.scheduling_policy, got.data_parallel_size, got.seed) == (
+        3,
+        "priority",
+        2,
+        7,
+    )
+    assert got.model == model
+
+
+def test_vllm_defaults_are_kept_and_only_two_settings_forced() -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    made = settings(["--no-enable-prefix-caching", "--disable-log-stats"])
+    got = made.args
+    assert got.enable_prefix_caching is True and got.disable_log_stats is False
+    assert any("--enable-prefix-caching is forced" in n for n in made.notes)
+    # CUDA graphs stay vLLM's call: tokenwire no longer forces eager mode.
+    assert got.enforce_eager == AsyncEngineArgs.enforce_eager
+    assert got.max_num_seqs == AsyncEngineArgs.max_num_seqs
+
+
+def test_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("max-num-seqs: 5\nscheduling-policy: priority\n")
+    got = settings(["--config", str(config)]).args
+    assert got.max_num_seqs == 5 and got.scheduling_policy == "priority"
+
+
+def test_shortcuts_apply_unless_vllm_sets_the_same() -> None:
+    got = settings([], dtype="bfloat16", max_model_len=1024).args
+    assert (got.dtype, got.max_model_len) == ("bfloat16", 1024)
+    made = settings(
+        ["--dtype", "float16", "--max-model-len", "512"],
+        dtype="bfloat16",
+        max_model_len=1024,
+        shortcuts_given=("dtype",),
+    )
+    assert (made.args.dtype, made.args.max_model_len) == ("float16", 512)
+    # The user set --dtype on both sides: a note says which won.
+    assert [n for n in made.notes if "--dtype" in n] == [
+        "--dtype is set on both sides; vLLM's 'float16' wins over tokenwire's 'bfloat16'"
+    ]
+    assert not [n for n in made.notes if "max-model-len" in n]  # only vLLM's side was given
+
+
+def test_unset_dtype_is_float32_on_this_cpu() -> None:
+    made = settings([])
+    assert made.args.dtype == "float32"
+    assert any("float32" in n for n in made.notes)
+    assert settings(["--dtype", "auto"]).args.dtype == "auto"
+
+
+def test_unknown_flag_exits_2_and_names_it() -> None:
+    run = serve("--engine", "vllm", "--", "--tensor-parallel-sise", "2")
+    assert run.returncode == 2
+    assert "--tensor-parallel-sise" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert len(run.stderr.splitlines()) < 10  # a message, not vLLM's whole usage
+
+
+def test_invalid_value_exits_2_and_names_the_flag() -> None:
+    run = serve("--engine", "vllm", "--", "--max-num-seqs", "many")
+    assert run.returncode == 2
+    assert "--max-num-seqs" in run.stderr and "many" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_engine_flags_need_the_vllm_engine() -> None:
+    run = serve("--engine", "scripted", "--", "--max-num-seqs", "2")
+    assert run.returncode == 2 and "--engine scripted takes none" in run.stderr
+
+
+def test_help_says_what_is_forced_and_why() -> None:
+    run = serve("--help")
+    assert run.returncode == 0
+    text = " ".join(run.stdout.split())
+    assert "--enable-prefix-caching" in text and "prefix cache makes that cheap" in text
+    assert "stats on" in text and "--tensor-parallel-size" in text
+    assert "the vLLM flag wins" in text
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sessions_pin_to_a_stable_rank(ranks: int) -> None:
+    ids = [f"sess_{i:04x}" for i in range(300)]
+    chosen = [rank_of(s, ranks) for s in ids]
+    assert chosen == [rank_of(s, ranks) for s in ids]  # stable
+    assert set(chosen) == set(range(ranks))  # spread
+    assert min(chosen.count(r) for r in range(ranks)) > 300 / ranks / 2
+    assert rank_of("sess_0001", 1) is None and rank_of(None, 2) is None
+    assert rank_of("sess_abc", 2) == 0  # crc32: the same on every instance, every run

@@ -1,0 +1,71 @@
+"""API key entries with options: the per-key priority floor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tokenwire.server.admission import KeyFileError, KeyStore, Limiter, key_id
+
+
+def test_key_entries_carry_a_priority_floor() -> None:
+    keys = KeyStore(["# interactive", "key-a", "key-b  min_priority=10", ""])
+    assert len(keys) == 2
+    assert keys.verify("key-b") == key_id("key-b")
+    assert keys.min_priority(key_id("key-a")) is None
+    assert keys.min_priority(key_id("key-b")) == 10
+    assert keys.has_priority_floors
+    usage = Limiter(8, 0.0, keys).usage(key_id("key-b"))
+    assert usage.min_priority == 10
+
+
+@pytest.mark.parametrize("line", ["k max_priority=1", "k min_priority", "k min_priority=high"])
+def test_a_bad_option_names_the_key_not_the_secret(line: str) -> None:
+    with pytest.raises(KeyFileError) as caught:
+        KeyStore([line])
+    assert key_id("k") in str(caught.value)
+    assert " k " not in f" {caught.value} "
+
+
+def test_serve_refuses_a_bad_key_file(tmp_path: object) -> None:
+    path = tmp_path / "keys"  # type: ignore[operator]
+    path.write_text("secret-key min_priority=soon\n")
+    command = ["serve", "--engine", "scripted", "--api-keys-file", str(path)]
+    run = subprocess.run(
+        [sys.executable, "-m", "tokenwire", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "min_priority must be an integer" in run.stderr
+    assert "secret-key" not in run.stderr and "Traceback" not in run.stderr
+
+
+async def test_a_batch_key_cannot_jump_the_queue() -> None:
+    from tokenwire.client import TokenwireError, connect
+    from tokenwire.config import ServerConfig
+
+    from ..conftest import _scripted_server
+
+    config = ServerConfig(
+        engine="scripted",
+        port=0,
+        scripted_tokens_per_s=2000,
+        api_keys="interactive-key,batch-key min_priority=10",
+    )
+    async with _scripted_server(config) as running:
+        async with await connect(running.url, api_key="batch-key") as batch:
+            assert batch.session["priority"] == 10
+            with pytest.raises(TokenwireError) as caught:
+                await batch.update_session(priority=0)
+            assert caught.value.code == "priority_not_allowed"
+            with pytest.raises(TokenwireError) as caught:
+                await batch.create_response(priority=9)
+            assert caught.value.code == "priority_not_allowed"
+            assert await batch.ask("still usable") == "You said: still usable"
+        async with await connect(running.url, api_key="interactive-key") as interactive:
+            assert interactive.session["priority"] == 0
+            await interactive.update_session(priority=-5)

@@ -1,0 +1,120 @@
+"""Session-pinned data parallelism and priority lanes on the real engine.
+
+One server for the module (two data-parallel ranks start in about a minute
+here): `-- --data-parallel-size 2 --scheduling-policy priority --max-num-seqs 1`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from tokenwire.client import connect
+
+from ..conftest import ARTIFACTS, Spawned, http_json, spawn_server
+
+pytestmark = pytest.mark.vllm
+
+# Long enough to fill a 128-token prefix-cache block on its own.
+INSTRUCTIONS = " ".join(
+    f"Rule {i}: answer briefly, politely and in plain English, without lists." for i in range(20)
+)
+
+
+@pytest.fixture(scope="module")
+def lanes() -> Iterator[Spawned]:
+    ARTIFACTS.mkdir(exist_ok=True)
+    env = dict(os.environ, TOKENWIRE_KV_CACHE_GIB="1")
+    with spawn_server(
+        "--engine",
+        "vllm",
+        "--max-model-len",
+        "2048",
+        "--",
+        "--data-parallel-size",
+        "2",
+        "--scheduling-policy",
+        "priority",
+        "--max-num-seqs",
+        "1",
+        "--enforce-eager",  # as VLLM_ENGINE_FLAGS: startup time
+        env=env,
+        log_path=ARTIFACTS / "vllm-lanes-server.log",
+        ready_timeout=600,
+    ) as spawned:
+        yield spawned
+
+
+async def two_turns(url: str) -> tuple[int, int]:
+    async with await connect(url) as tw:
+        await tw.update_session(instructions=INSTRUCTIONS, temperature=0)
+        await tw.add_message("What is the capital of France?")
+        first = await (await tw.create_response(max_output_tokens=8)).done()
+        await tw.add_message("And of Italy?")
+        second = await (await tw.create_response(max_output_tokens=8)).done()
+    return first["usage"]["cached_tokens"], second["usage"]["cached_tokens"]
+
+
+async def test_a_sessions_turns_meet_its_own_prefix_cache(lanes: Spawned) -> None:
+    # Four sessions: without pinning each second turn had an even chance of
+    # landing on the other rank, with an empty cache (0 cached tokens).
+    results = [await two_turns(lanes.url) for _ in range(4)]
+    assert all(second >= 128 for _, second in results), results
+
+
+def engines_that_ran_requests(http: str) -> set[str]:
+    with urllib.request.urlopen(http + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    engines = set()
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            if engine and float(line.rsplit(" ", 1)[1]) > 0:
+                engines.add(engine.group(1))
+    return engines
+
+
+async def test_sessions_spread_over_both_ranks(lanes: Spawned) -> None:
+    async def one(i: int) -> None:
+        async with await connect(lanes.url) as tw:
+            await tw.ask(f"Say the number {i}.", max_output_tokens=4)
+
+    await asyncio.gather(*(one(i) for i in range(10)))
+    by_rank = http_json(lanes.http + "/healthz")[1]["engine_load"]["requests_by_rank"]
+    assert set(by_rank) == {"0", "1"} and min(by_rank.values()) >= 2, by_rank
+    # vLLM's own counters agree: both engine cores finished requests.
+    assert engines_that_ran_requests(lanes.http) == {"0", "1"}
+
+
+async def test_interactive_priority_runs_before_a_running_batch(lanes: Spawned) -> None:
+    """One slot per rank, one session (so one rank): the batch response holds the
+    slot; the interactive one, at a better priority, gets it at once."""
+    async with await connect(lanes.url) as tw:
+        await tw.add_message("Write a very long story about a lighthouse keeper.")
+        batch = await tw.create_response(
+            conversation="none",
+            input=[{"type": "message", "role": "user", "content": "Write a long story."}],
+            priority=10,
+            max_output_tokens=300,
+            ignore_eos=True,
+            temperature=0,
+        )
+        deltas = batch.text_deltas()
+        await anext(deltas)  # the batch is running
+        interactive = await tw.create_response(
+            conversation="none",
+            input=[{"type": "message", "role": "user", "content": "Say hi."}],
+            priority=0,
+            max_output_tokens=4,
+        )
+        quick = await interactive.done()
+        assert quick["status"] == "completed"
+        assert batch.status is None  # it went first, though the batch held the slot
+        long = await batch.done()
+    assert long["status"] == "completed" and long["usage"]["output_tokens"] == 300
+    assert long["timings"]["queue_wait_ms"] >= 0 and quick["timings"]["queue_wait_ms"] >= 0
