@@ -91,30 +91,36 @@ async def test_sessions_spread_over_both_ranks(lanes: Spawned) -> None:
     assert engines_that_ran_requests(lanes.http) == {"0", "1"}
 
 
-async def test_interactive_priority_runs_before_a_running_batch(lanes: Spawned) -> None:
-    """One slot per rank, one session (so one rank): the batch response holds the
-    slot; the interactive one, at a better priority, gets it at once."""
+async def test_interactive_priority_goes_ahead_of_queued_batch_work(lanes: Spawned) -> None:
+    """One slot per rank, one session (so one rank). A batch response holds the
+    slot and a second one waits; an interactive response sent after it, at a
+    better priority, is scheduled first when the slot frees (fcfs would run
+    the second batch response first)."""
+
+    def ask(text: str, priority: int, tokens: int, **kw: object) -> dict[str, object]:
+        return {
+            "conversation": "none",
+            "input": [{"type": "message", "role": "user", "content": text}],
+            "priority": priority,
+            "max_output_tokens": tokens,
+            "temperature": 0,
+            **kw,
+        }
+
     async with await connect(lanes.url) as tw:
-        await tw.add_message("Write a very long story about a lighthouse keeper.")
-        batch = await tw.create_response(
-            conversation="none",
-            input=[{"type": "message", "role": "user", "content": "Write a long story."}],
-            priority=10,
-            max_output_tokens=300,
-            ignore_eos=True,
-            temperature=0,
-        )
-        deltas = batch.text_deltas()
-        await anext(deltas)  # the batch is running
-        interactive = await tw.create_response(
-            conversation="none",
-            input=[{"type": "message", "role": "user", "content": "Say hi."}],
-            priority=0,
-            max_output_tokens=4,
-        )
+        running = await tw.create_response(**ask("Write a long story.", 10, 60, ignore_eos=True))
+        await anext(running.text_deltas())  # it holds the slot
+        queued = await tw.create_response(**ask("Write another story.", 10, 60, ignore_eos=True))
+        interactive = await tw.create_response(**ask("Say hi.", 0, 4))
         quick = await interactive.done()
-        assert quick["status"] == "completed"
-        assert batch.status is None  # it went first, though the batch held the slot
-        long = await batch.done()
-    assert long["status"] == "completed" and long["usage"]["output_tokens"] == 300
-    assert long["timings"]["queue_wait_ms"] >= 0 and quick["timings"]["queue_wait_ms"] >= 0
+        # Four tokens of an answer: it ends at its cap, not by itself.
+        assert quick["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
+        assert quick["usage"]["output_tokens"] == 4
+        assert queued.status is None and not [
+            e for e in queued.events if e["type"] == "response.output_text.delta"
+        ], "the batch response queued first was scheduled first"
+        assert running.status == "completed"
+        second = await queued.done()
+    assert second["status"] == "completed" and second["usage"]["output_tokens"] == 60
+    # It waited for the running one and for the interactive one.
+    assert second["timings"]["queue_wait_ms"] > quick["timings"]["queue_wait_ms"] > 0
