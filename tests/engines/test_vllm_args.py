@@ -131,3 +131,16 @@ def test_sessions_pin_to_a_stable_rank(ranks: int) -> None:
     assert min(chosen.count(r) for r in range(ranks)) > 300 / ranks / 2
     assert rank_of("sess_0001", 1) is None and rank_of(None, 2) is None
     assert rank_of("sess_abc", 2) == 0  # crc32: the same on every instance, every run
+
+
+def test_vllm_is_not_imported_for_the_scripted_engine() -> None:
+    """vLLM's argument module takes seconds to import: only `--engine vllm` pays."""
+    code = (
+        "import sys; from tokenwire import cli; "
+        "cli.build_parser().parse_args(['serve', '--engine', 'scripted']); "
+        "import tokenwire.server, tokenwire.engines.scripted; "
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
