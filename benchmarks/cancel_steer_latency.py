@@ -54,7 +54,14 @@ import aiohttp
 from tokenwire.client import Client, Response, connect
 
 from ._compare import percentile
-from ._server import RESULTS, VLLM_EAGER, cpu_snapshot, http_base, other_cpu_cores, tokenwire_server
+from ._server import (
+    RESULTS,
+    VLLM_SETTINGS,
+    cpu_snapshot,
+    http_base,
+    other_cpu_cores,
+    tokenwire_server,
+)
 
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm."
 STEER = "Now make it about a dragon instead."
@@ -447,7 +454,7 @@ def main() -> None:
     if args.url:
         report = asyncio.run(run(args.url, args))
     else:
-        with tokenwire_server("--engine", "vllm", "--log-level", "warning", *VLLM_EAGER) as url:
+        with tokenwire_server("--engine", "vllm", "--log-level", "warning", *VLLM_SETTINGS) as url:
             report = asyncio.run(run(url, args))
     import tokenwire
 

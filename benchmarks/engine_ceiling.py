@@ -60,7 +60,7 @@ from ._compare import (
 from ._server import (
     RESULTS,
     SCRATCH,
-    VLLM_EAGER,
+    VLLM_SETTINGS,
     tokenwire_server,
     wait_for_descendants,
 )
@@ -178,7 +178,7 @@ def run_asyncllm_child(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_tokenwire(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
-    with tokenwire_server("--engine", "vllm", "--log-level", "warning", *VLLM_EAGER) as url:
+    with tokenwire_server("--engine", "vllm", "--log-level", "warning", *VLLM_SETTINGS) as url:
         startup = time.perf_counter() - t0
         runs = asyncio.run(
             rounds(

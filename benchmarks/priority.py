@@ -26,7 +26,7 @@ from typing import Any
 
 from tokenwire.client import connect
 
-from ._server import RESULTS, VLLM_EAGER, tokenwire_server
+from ._server import RESULTS, VLLM_SETTINGS, tokenwire_server
 
 BATCH_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 QUESTION = "What is the capital of France?"
@@ -125,7 +125,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, policy in policies.items():
             engine_flags = ["--max-num-seqs", str(args.max_num_seqs), "--scheduling-policy", policy]
-            with tokenwire_server("--engine", "vllm", *VLLM_EAGER, *engine_flags) as url:
+            with tokenwire_server("--engine", "vllm", *VLLM_SETTINGS, *engine_flags) as url:
                 runs[name].append(asyncio.run(measure(url, args)))
             print(name, {k: round(v, 1) for k, v in summary(runs[name][-1:]).items()})
     table = {name: summary(r) for name, r in runs.items()}

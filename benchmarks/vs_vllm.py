@@ -69,7 +69,7 @@ from ._compare import (
 )
 from ._server import (
     RESULTS,
-    VLLM_EAGER,
+    VLLM_SETTINGS,
     free_port,
     http_ok,
     server_process,
@@ -210,7 +210,7 @@ def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
                 "vllm",
                 "--log-level",
                 "warning",
-                *VLLM_EAGER,
+                *VLLM_SETTINGS,
                 log_name="vs-vllm-tokenwire.log",
             )
         )
