@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from .config import FIELDS, ServerConfig, env_name
+from .engines.vllm_args import forced_help  # no vLLM import: that waits for --engine vllm
 
 _HELP = {
     "host": "address to listen on",
@@ -63,12 +64,9 @@ vLLM engine flags (--engine vllm): tokenwire serve [tokenwire flags] -- [vLLM fl
   `-- --config engine.yaml` reads them from a file. For example:
     tokenwire serve --model /models/llama-70b-awq -- --tensor-parallel-size 4 \\
         --gpu-memory-utilization 0.92 --quantization awq --max-num-seqs 128
-  tokenwire forces two settings: --enable-prefix-caching (steer, tool
-  continuations, resume and slow-client pauses resubmit the conversation; the
-  prefix cache makes that cheap) and stats on (the load tracker behind
-  /healthz, /metrics and response timings reads the scheduler's stats).
   --model, --dtype and --max-model-len above are shortcuts for vLLM's flags of
   the same names; where both are given, the vLLM flag wins (a log line says so).
+  tokenwire forces two settings:
 """
 
 
@@ -113,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve ws://HOST:PORT/v1/realtime",
         usage="tokenwire serve [tokenwire flags] [-- vLLM engine flags]",
-        epilog=_VLLM_EPILOG,
+        epilog=_VLLM_EPILOG + forced_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_serve_flags(serve)

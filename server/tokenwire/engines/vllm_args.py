@@ -14,21 +14,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-# (setting, value, why tokenwire needs it)
-FORCED: tuple[tuple[str, Any, str], ...] = (
+# (setting, value, what --help calls it, why tokenwire needs it)
+FORCED: tuple[tuple[str, Any, str, str], ...] = (
     (
         "enable_prefix_caching",
         True,
+        "--enable-prefix-caching",
         "steer, tool continuations, resume and slow-client pauses resubmit the "
         "conversation; the prefix cache makes that cheap",
     ),
     (
         "disable_log_stats",
         False,
+        "stats on",
         "the load tracker behind /healthz, /metrics and response timings reads "
         "the scheduler's stats",
     ),
@@ -48,19 +51,11 @@ UNSET: Any = _Unset()
 
 
 def forced_help() -> str:
-    lines = [
-        "Everything after `--` goes to vLLM's own engine argument parser, with vLLM's "
-        "defaults for the platform (`tokenwire serve -- --help` lists every flag; "
-        "`-- --config engine.yaml` reads them from a file). tokenwire forces:"
-    ]
-    for name, value, why in FORCED:
-        flag = "--" + name.replace("_", "-")
-        lines.append(f"  {flag}={value}: {why}.")
-    lines.append(
-        "--model, --dtype and --max-model-len above are shortcuts for vLLM's flags of "
-        "the same names; where both are given, the vLLM flag wins."
+    """The forced settings and their reasons, for `tokenwire serve --help`."""
+    return "\n".join(
+        textwrap.fill(f"{label}: {why}.", 80, initial_indent="  - ", subsequent_indent="    ")
+        for _, _, label, why in FORCED
     )
-    return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -136,7 +131,7 @@ def engine_args(
     if not hasattr(ns, "dtype") and _on_cpu():
         ns.dtype = CPU_DTYPE
         notes.append(f"dtype {CPU_DTYPE} on this CPU (pass --dtype to choose another)")
-    for name, value, why in FORCED:
+    for name, value, _, why in FORCED:
         if getattr(ns, name, value) not in (value, None):
             notes.append(f"--{name.replace('_', '-')} is forced to {value}: {why}")
         setattr(ns, name, value)
