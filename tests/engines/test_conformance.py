@@ -89,6 +89,17 @@ def text_of(deltas: list[EngineDelta]) -> str:
     return "".join(d.text for d in deltas)
 
 
+async def until_idle(engine: Engine, when: str) -> None:
+    """The engine holds no request (running, waiting or unfinished) within 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        load = engine.load()
+        if load.running == 0 and load.waiting == 0 and load.extra.get("unfinished", 0) == 0:
+            return
+        assert time.monotonic() < deadline, f"still held {when}: {load}"
+        await asyncio.sleep(0.02)
+
+
 async def test_declares_itself(engine: Engine) -> None:
     assert isinstance(engine.name, str) and engine.name
     assert isinstance(engine.capabilities, EngineCapabilities)
@@ -197,13 +208,7 @@ async def test_closing_the_stream_frees_the_engine(engine: Engine) -> None:
     first = await anext(stream)
     assert first.finish_reason is None
     await stream.aclose()
-    deadline = time.monotonic() + 10
-    while True:
-        load = engine.load()
-        if load.running == 0 and load.waiting == 0 and load.extra.get("unfinished", 0) == 0:
-            break
-        assert time.monotonic() < deadline, f"still held after aclose(): {load}"
-        await asyncio.sleep(0.02)
+    await until_idle(engine, "after aclose()")
 
 
 async def test_cancelling_the_consuming_task_frees_the_engine(engine: Engine) -> None:
@@ -220,10 +225,7 @@ async def test_cancelling_the_consuming_task_frees_the_engine(engine: Engine) ->
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    deadline = time.monotonic() + 10
-    while engine.load().running or engine.load().extra.get("unfinished", 0):
-        assert time.monotonic() < deadline, f"still held after cancel: {engine.load()}"
-        await asyncio.sleep(0.02)
+    await until_idle(engine, "after cancel")
 
 
 @pytest.mark.vllm
