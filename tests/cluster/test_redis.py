@@ -139,10 +139,18 @@ async def test_hundred_random_disconnects_across_instances(redis_server: RedisSe
 
 async def test_resume_of_unknown_or_foreign_sessions(redis_server: RedisServer) -> None:
     with instances(redis_server, "--api-keys", "key-one,key-two", name="keys") as (a, b):
-        one = await ws_connect(a.url, additional_headers={"Authorization": "Bearer key-one"})
+        one = await ws_connect(
+            a.url,
+            additional_headers={"Authorization": "Bearer key-one"},
+            subprotocols=["tokenwire.v1.json"],  # type: ignore[list-item]
+        )
         sid = json.loads(await one.recv())["session"]["id"]
         for key, session_id in (("key-two", sid), ("key-one", "sess_unknown")):
-            other = await ws_connect(b.url, additional_headers={"Authorization": f"Bearer {key}"})
+            other = await ws_connect(
+                b.url,
+                additional_headers={"Authorization": f"Bearer {key}"},
+                subprotocols=["tokenwire.v1.json"],  # type: ignore[list-item]
+            )
             await other.recv()
             await other.send(
                 json.dumps(

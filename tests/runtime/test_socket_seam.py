@@ -117,7 +117,7 @@ async def test_new_socket_goes_live_and_feeds_frames(url_and_harness: tuple[str,
         assert harness.socket is not None and harness.socket.state is SocketState.LIVE
     assert await harness.outcome == "ended"  # the client closed cleanly
     owner = harness.owner
-    assert owner.calls[:2] == [("attach", "tokenwire.v1.json"), ("go_live",)]
+    assert owner.calls[:2] == [("attach", "realtime"), ("go_live",)]  # no subprotocol: OpenAI's
     assert owner.calls[-1] == ("detach", "ended")
     assert owner.frames == [({"type": "a"}, True), ({"type": "b"}, False)]
     assert harness.socket.state is SocketState.CLOSED

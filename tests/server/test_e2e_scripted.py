@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import msgpack
 import pytest
@@ -74,10 +75,17 @@ async def test_frames_use_negotiated_encoding_and_seq(
         assert seqs == list(range(1, len(seqs) + 1))
 
 
-async def test_no_subprotocol_speaks_json(scripted: RunningServer) -> None:
+async def test_no_subprotocol_speaks_the_openai_dialect(scripted: RunningServer) -> None:
+    """What the OpenAI SDKs do (they offer no subprotocol); tokenwire's own
+    clients name theirs."""
     async with ws_connect(scripted.url) as ws:
-        frame = await ws.recv()
-        assert isinstance(frame, str) and '"session.created"' in frame
+        assert ws.subprotocol is None
+        created = json.loads(await ws.recv())
+        assert created["type"] == "session.created" and created["event_id"] == "event_1"
+        assert created["session"]["type"] == "realtime" and "seq" not in created
+        await ws.send(json.dumps({"type": "response.steer", "input": "x"}))
+        error = json.loads(await ws.recv())
+        assert error["error"]["code"] == "invalid_value" and error["error"]["param"] == "type"
 
 
 async def test_max_output_tokens_and_ignore_eos(scripted: RunningServer) -> None:

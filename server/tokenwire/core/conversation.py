@@ -105,6 +105,30 @@ class Conversation:
             context.remove(item)
         self.by_id.pop(item["id"], None)
 
+    def delete(self, item_id: str, busy: set[str], event_id: str | None) -> Item:
+        """Take an item out of the conversation; `busy`: ids an active
+        response still writes or waits on, which stay."""
+        item = self.get(item_id, event_id)
+        if item not in self.items:  # a conversation:"none" response's own
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_ITEM,
+                f"no item {item_id!r} in the conversation",
+                event_id=event_id,
+                param="item_id",
+            )
+        if item_id in busy:
+            raise ProtocolError(
+                ErrorCode.INVALID_STATE,
+                "the item belongs to a response that is still active; cancel it first",
+                event_id=event_id,
+                param="item_id",
+            )
+        self.items.remove(item)
+        del self.by_id[item_id]
+        text = item.get("content") or item.get("arguments") or item.get("output") or ""
+        self.history_bytes = max(self.history_bytes - len(text.encode()), 0)
+        return item
+
     def truncate(self, item_id: str, text_end: int, event_id: str | None) -> Item:
         """Keep the first `text_end` characters of an assistant message (what
         the user heard)."""

@@ -26,7 +26,7 @@ from .conversation import Conversation, Item, render_messages
 from .errors import ErrorCode, ProtocolError, error_event
 from .events import AbortGeneration, Outputs, StartGeneration, StartTimer
 from .response import Response, ResponseStatus
-from .tools import check_arguments, engine_tools
+from .tools import ToolFlow, check_arguments, engine_tools
 
 Preflight = Callable[[GenerationRequest], tuple[int, ...] | None]
 
@@ -63,6 +63,7 @@ class Lifecycle:
         capabilities: EngineCapabilities,
         preflight: Preflight | None,
         quota: Quota | None,
+        tool_flow: ToolFlow = ToolFlow.CONTINUE,
     ) -> None:
         self.session_id = session_id
         self._out = out
@@ -71,6 +72,7 @@ class Lifecycle:
         self.capabilities = capabilities
         self._preflight = preflight
         self.quota = quota
+        self.tool_flow = tool_flow
         self.responses: dict[str, Response] = {}
         # Finished responses, kept briefly so a late cancel gets a precise error.
         self.finished: OrderedDict[str, str] = OrderedDict()
@@ -311,6 +313,11 @@ class Lifecycle:
                     "arguments": item["arguments"],
                 }
             )
+        if self.tool_flow is ToolFlow.CLIENT:
+            # The calls are the response's result; the client continues.
+            resp.pending_calls.clear()
+            self.finish(resp, ResponseStatus.COMPLETED, None)
+            return
         resp.status = ResponseStatus.REQUIRES_ACTION
         self._out.emit(
             {

@@ -58,7 +58,8 @@ ItemId = Annotated[
     str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
 ]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-MaxTokens = Annotated[int, Field(ge=1, le=(1 << 31) - 1)]
+# "inf": no cap of the server's default (OpenAI's spelling); the context still bounds it.
+MaxTokens = Annotated[int, Field(ge=1, le=(1 << 31) - 1)] | Literal["inf"]
 # vLLM's convention: a lower value is scheduled first.
 Priority = Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
 
@@ -158,6 +159,11 @@ class ConversationItemRetrieve(_ClientEvent):
     item_id: str
 
 
+class ConversationItemDelete(_ClientEvent):
+    type: Literal[ev.CONVERSATION_ITEM_DELETE]
+    item_id: str
+
+
 class ResponseCreate(_ClientEvent):
     type: Literal[ev.RESPONSE_CREATE]
     response: ResponseParams = Field(default_factory=ResponseParams)
@@ -185,6 +191,7 @@ ClientEvent = (
     | ConversationItemCreate
     | ConversationItemTruncate
     | ConversationItemRetrieve
+    | ConversationItemDelete
     | ResponseCreate
     | ResponseCancel
     | ResponseSteer

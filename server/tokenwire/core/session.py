@@ -26,7 +26,7 @@ from .events import Action, Outputs
 from .lifecycle import Lifecycle, Preflight, Quota
 from .limits import TokenBucket
 from .response import Response, ResponseStatus
-from .tools import check_tool_choice
+from .tools import ToolFlow, check_tool_choice
 
 # The settings a response takes from the session unless it sets its own.
 _RESPONSE_SETTINGS = (
@@ -68,6 +68,8 @@ class Session:
         preflight: Preflight | None = None,
         capabilities: EngineCapabilities | None = None,
         quota: Quota | None = None,
+        settings: dict[str, Any] | None = None,
+        tool_flow: ToolFlow = ToolFlow.CONTINUE,
     ) -> None:
         self.id = session_id or new_id("sess")
         self.limits = limits or SessionLimits()
@@ -88,6 +90,9 @@ class Session:
             "tool_timeout_s": self.limits.tool_timeout_s,
             "priority": max(self.limits.min_priority or 0, 0),
         }
+        # Settings the server gave this session before its client spoke (a
+        # client secret's), already checked: like a first session.update.
+        self.config.update(settings or {})
         self.info = dict(info or {})
         self.conversation = Conversation(self.limits.max_conversation_bytes)
         self._out = Outputs()
@@ -99,6 +104,7 @@ class Session:
             capabilities,
             preflight if capabilities.preflight else None,
             quota,
+            tool_flow,
         )
         # Called once or more per token: bound straight to their owners, so
         # the per-token path takes no extra hop through the session.
@@ -213,6 +219,13 @@ class Session:
         item = self.conversation.get(ev_.item_id, ev_.event_id)
         self._emit({"type": ev.CONVERSATION_ITEM_RETRIEVED, "item": dict(item)}, ev_.event_id)
 
+    def _on_conversation_item_delete(self, ev_: s.ConversationItemDelete) -> None:
+        busy = {item["id"] for r in self.active_responses for item in r.output}
+        item = self.conversation.delete(ev_.item_id, busy, ev_.event_id)
+        if item["type"] == "function_call":  # its output has nowhere to go now
+            self.lifecycle.calls.pop(item["call_id"], None)
+        self._emit({"type": ev.CONVERSATION_ITEM_DELETED, "item_id": item["id"]}, ev_.event_id)
+
     def _on_conversation_item_truncate(self, ev_: s.ConversationItemTruncate) -> None:
         item = self.conversation.truncate(ev_.item_id, ev_.text_end, ev_.event_id)
         self._emit(
@@ -243,9 +256,8 @@ class Session:
             )
         given = rp.model_dump(exclude_none=True)
         params = {key: given.get(key, self.config[key]) for key in _RESPONSE_SETTINGS}
-        params["max_output_tokens"] = (
-            params["max_output_tokens"] or self.limits.default_max_output_tokens
-        )
+        limit = params["max_output_tokens"] or self.limits.default_max_output_tokens
+        params["max_output_tokens"] = None if limit == "inf" else limit
         params["ignore_eos"] = rp.ignore_eos
         check_tool_choice(params["tool_choice"], params["tools"], event_id, "response.tool_choice")
         self._check_priority(given.get("priority"), event_id, "response.priority")
@@ -344,6 +356,7 @@ class Session:
         ev.CONVERSATION_ITEM_CREATE: _on_conversation_item_create,
         ev.CONVERSATION_ITEM_RETRIEVE: _on_conversation_item_retrieve,
         ev.CONVERSATION_ITEM_TRUNCATE: _on_conversation_item_truncate,
+        ev.CONVERSATION_ITEM_DELETE: _on_conversation_item_delete,
         ev.RESPONSE_CREATE: _on_response_create,
         ev.RESPONSE_CANCEL: _on_response_cancel,
         ev.RESPONSE_STEER: _on_response_steer,

@@ -19,6 +19,7 @@ from . import events as ev
 from .conversation import Conversation
 from .lifecycle import Lifecycle
 from .response import Response, ResponseStatus
+from .tools import ToolFlow
 
 
 class Session(Protocol):
@@ -55,6 +56,7 @@ def take(session: Session) -> dict[str, Any]:
         "items": session.conversation.items,
         "history_bytes": session.conversation.history_bytes,
         "client_events": session.client_events,
+        "tool_flow": session.lifecycle.tool_flow.value,
         "finished": list(session.lifecycle.finished.items()),
         "calls": {
             cid: [item["id"], rid, done]
@@ -76,6 +78,8 @@ def restore_into(session: Session, state: dict[str, Any]) -> None:
     conv.history_bytes = state["history_bytes"]
     session.client_events = state.get("client_events", 0)
     lifecycle = session.lifecycle
+    # The flow of the dialect the session began with, whatever socket resumes it.
+    lifecycle.tool_flow = ToolFlow(state.get("tool_flow", ToolFlow.CONTINUE))
     lifecycle.finished = OrderedDict((rid, status) for rid, status in state["finished"])
     now, wall = session.clock(), time.time()
     for rs in state["responses"]:

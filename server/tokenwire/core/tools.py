@@ -4,12 +4,24 @@ of the arguments a model produced."""
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from typing import Any
 
 import jsonschema
 
 from .errors import ErrorCode, ProtocolError
 from .schema import NamedToolChoice
+
+
+class ToolFlow(StrEnum):
+    """What a response does once the model made its calls (a dialect's choice)."""
+
+    # It waits in requires_action for their outputs, then continues by itself
+    # (tokenwire v1).
+    CONTINUE = "continue"
+    # It ends `completed` with the calls in its output; the client sends their
+    # outputs and a response.create for the next response (OpenAI Realtime).
+    CLIENT = "client"
 
 
 def check_tool_choice(

@@ -138,7 +138,8 @@ class Delivery:
             for seq, frame in frames:
                 if seq <= self.sent_seq:
                     continue
-                await self.ws.send(self.dialect.from_logged(frame))
+                for out in self.dialect.from_logged(frame):
+                    await self.ws.send(out)
                 self.sent_seq = seq
                 replayed += 1
         self.live = True
@@ -157,10 +158,6 @@ class Delivery:
             await self.stop_writer()
         self._stop_clocks()
         self.ws = None
-
-    async def logged_after(self, seq: int) -> list[tuple[int, Frame]]:
-        """Logged frames after `seq`, for the attached socket's dialect."""
-        return [(s, self.dialect.from_logged(f)) for s, f in await self.log.read(seq)]
 
     async def close_socket(self, code: int, reason: str) -> None:
         if self.ws is not None:
@@ -223,15 +220,16 @@ class Delivery:
         drain (the buffer is empty, and the caller checks buffered_amount).
         Order holds because `ws.send` too writes its frame before it first
         awaits, and we never send fragmented messages."""
-        protocol = ws.protocol
+        protocol, dialect = ws.protocol, self.dialect
         for event in events:
             self.outbox.number(event)
             frame = self._log_frame(event)
             self.sent_seq = event["seq"]
-            if isinstance(frame, bytes):
-                protocol.send_binary(frame)
-            else:
-                protocol.send_text(frame.encode())
+            for out in (frame,) if dialect.single_frame else dialect.frames(event):
+                if isinstance(out, bytes):
+                    protocol.send_binary(out)
+                else:
+                    protocol.send_text(out.encode())
         ws.transport.writelines(protocol.data_to_send())
         self.sent_directly += len(events)
 
@@ -383,16 +381,21 @@ class Delivery:
             await self._send_batch(batch)
 
     async def _send_batch(self, batch: list[tuple[dict[str, Any], Frame]]) -> None:
-        dialect = self.dialect
+        """Send logged events; `batch` holds each with its logged frame."""
+        logged_by = self.dialect
         for event, frame in batch:
             ws = self.ws if self.live else None
             seq = event["seq"]
             if ws is None or seq <= self.sent_seq:
                 continue  # no socket, or the replay sent it already
             self.sent_seq = seq
-            if self.dialect is not dialect:  # another socket took over meanwhile
-                frame = self.dialect.encode(event)
-            await ws.send(frame)
+            # Another socket (another dialect) may have taken over meanwhile.
+            dialect = self.dialect
+            if dialect.single_frame:
+                await ws.send(frame if dialect is logged_by else dialect.encode(event))
+            else:
+                for out in dialect.frames(event):
+                    await ws.send(out)
             self.sent_by_writer += 1
 
     async def _locked_log_batch(self, merge: bool) -> list[tuple[dict[str, Any], Frame]]:

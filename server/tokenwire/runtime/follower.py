@@ -68,7 +68,8 @@ class Follower:
                     if entry.seq != sent + 1:  # trimmed past this client (MAXLEN)
                         await self._fail(ws, dialect, entry.seq, sent)
                         return "ended"
-                    await ws.send(dialect.from_logged(entry.event))
+                    for frame in dialect.from_logged(entry.event):
+                        await ws.send(frame)
                     sent = entry.seq
                 if time.monotonic() - last_ping >= self._ping_s:
                     last_ping = time.monotonic()
@@ -127,5 +128,6 @@ class Follower:
         )
         event["seq"] = sent + 1
         with contextlib.suppress(ConnectionClosed):
-            await ws.send(dialect.encode(event))
+            for frame in dialect.frames(event):
+                await ws.send(frame)
             await ws.close(1011, "fell behind the session's log")

@@ -73,6 +73,7 @@ class SessionRuntime:
         subprotocol: str | None = None,
         log_for: Callable[[str, int], EventLog] | None = None,
         restored: tuple[dict[str, Any], list[Any]] | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -98,10 +99,11 @@ class SessionRuntime:
             "preflight": engine.preflight,
             "capabilities": engine.capabilities,
             "quota": usage,
+            "tool_flow": dialect.tool_flow,
         }
         logged_seq = 0
         if restored is None:
-            self.session = Session(**kwargs)
+            self.session = Session(settings=settings, **kwargs)
         else:
             self.session, logged_seq = _restore(restored, kwargs)
         event_log = (

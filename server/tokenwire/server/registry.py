@@ -40,6 +40,7 @@ class Registry:
         usage: KeyUsage,
         subprotocol: str | None,
         restored: tuple[dict[str, Any], list[Any]] | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> SessionRuntime:
         runtime = SessionRuntime(
             self.engine,
@@ -49,6 +50,7 @@ class Registry:
             subprotocol,
             self._log_for if self.store is not None else None,
             restored,
+            settings,
         )
         runtime.on_moved = self.forget
         self.sessions[runtime.session.id] = runtime

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .dialect import Dialect, DialectFamily
+from .dialect import Dialect, DialectFamily, Frame, ToolFlow
+from .openai_realtime import OpenAIRealtimeFamily
 from .tokenwire_v1 import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, TokenwireV1Family
 
-# In order of preference when the client offers none of them by name.
-FAMILIES: tuple[DialectFamily, ...] = (TokenwireV1Family(),)
-DEFAULT: DialectFamily = FAMILIES[0]
+FAMILIES: tuple[DialectFamily, ...] = (TokenwireV1Family(), OpenAIRealtimeFamily())
+# A client that offers none of ours by name: OpenAI's SDKs offer no subprotocol
+# outside browsers, and tokenwire's own clients always name theirs.
+DEFAULT: DialectFamily = FAMILIES[1]
 
 __all__ = [
     "SUBPROTOCOL_JSON",
     "SUBPROTOCOL_MSGPACK",
     "Dialect",
     "DialectFamily",
+    "Frame",
+    "ToolFlow",
     "dialect_for",
     "select_subprotocol",
 ]
@@ -27,7 +31,7 @@ __all__ = [
 
 def select_subprotocol(offered: Sequence[str]) -> str | None:
     """The client's order wins; with none of ours offered, the default dialect
-    serves the socket without a subprotocol."""
+    (OpenAI Realtime) serves the socket without a subprotocol."""
     for name in offered:
         for family in FAMILIES:
             if name in family.subprotocols:

@@ -145,8 +145,6 @@ def refuse_event(kind: Any, event_id: str | None) -> OpenAIProtocolError:
         why = f"{kind} is tokenwire's own; connect with the subprotocol tokenwire.v1.json"
     elif kind == "conversation.item.truncate":
         why = f"{TEXT_ONLY}: conversation.item.truncate cuts audio, and there is none"
-    elif kind == "conversation.item.delete":
-        why = "conversation.item.delete is not supported yet"
     else:
         why = f"unknown event type {kind[:64]!r}"
     return Refused(GACode.INVALID_VALUE, why, param="type", event_id=event_id)

@@ -1,16 +1,17 @@
 """The OpenAI Realtime API (GA), text mode, as a dialect: subprotocol `realtime`,
-JSON text frames. A sans-I/O translation; not registered in `wire.FAMILIES` yet.
+JSON text frames, and the dialect of a socket that offers no subprotocol.
+A sans-I/O translation.
 
 Client frames (`parse`): a GA event -> the internal map `core.schema` checks.
 Dropped after their check: `session.type` ("realtime"), `model`, `tracing`,
 `truncation`, `reasoning`, `include: []`, `output_modalities: ["text"]`, and
 audio *settings* (`session.audio`, `response.audio`: openai-agents sends them on
 every session.update; `ignore_audio_settings=False` refuses them). Content parts
-become one string (joined by newlines); `max_output_tokens: "inf"` becomes null.
+become one string (joined by newlines); `max_output_tokens: "inf"` passes (the
+core reads it as no cap).
 Refused with a GA code (wire/openai_errors.py): audio use, stored prompts, MCP
 tools, item references and client-made function_call items, conversations
-other than auto/none, `conversation.item.delete` (the core has none yet),
-`conversation.item.truncate` (audio only in GA), `input_audio_buffer.*`,
+other than auto/none, `conversation.item.truncate` (audio only in GA), `input_audio_buffer.*`,
 `output_audio_buffer.clear`, and tokenwire's own `response.steer` and
 `session.resume`. tokenwire's `temperature`, `priority`, `tool_timeout_s` and
 `ignore_eos` pass as extensions.
@@ -21,6 +22,7 @@ Server events (`encode_all`): one internal event -> GA frames; main one marked *
 - conversation.item.created -> conversation.item.added*, conversation.item.done
 - conversation.item.retrieved -> conversation.item.retrieved*
 - conversation.item.truncated -> conversation.item.truncated* (audio_end_ms 0)
+- conversation.item.deleted -> conversation.item.deleted*
 - response.created -> response.created*
 - first delta of an item -> response.output_item.added, conversation.item.added
   (conversation "auto" only), response.content_part.added (text), then the delta*
@@ -54,8 +56,8 @@ wants positions and lifecycle frames the core does not emit, so it keeps:
 - `_last`: the last numbered event's frames, so that event passed again (live,
   then from the log) gives the same frames without moving the state twice.
 Entries leave at their done, so the state is bounded by the open responses.
-Pass events in order through `encode_all`, `encode` or `from_logged`; `encode`
-returns the main frame only, so the runtime must send `encode_all`'s.
+Pass events in order through `frames` (`encode_all`) or `from_logged`. `encode`
+is the internal event as JSON, what the log keeps: a replay translates it again.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from typing import Any
 from ..core import events as ev
 from ..core.errors import ProtocolError
 from .codec import decode_frame, encode_json
+from .dialect import ToolFlow
 from .openai_errors import (
     GACode,
     Refused,
@@ -127,8 +130,6 @@ def _settings(raw: Any, prefix: str, eid: str | None, strict: bool, kind: str) -
     check_keys(raw, passed | dropped | _CHECKED, prefix, eid)
     check_settings(raw, prefix, eid, strict)
     out = {k: v for k, v in raw.items() if k in passed and v is not None}  # null: leave as is
-    if out.get("max_output_tokens") == "inf":
-        out["max_output_tokens"] = None  # the core: no limit of this event's own
     if isinstance(out.get("input"), list):
         out["input"] = [_item(it, f"response.input[{i}]", eid) for i, it in enumerate(out["input"])]
     return out
@@ -152,7 +153,7 @@ def _parse_event(obj: dict[str, Any], eid: str | None, strict: bool) -> dict[str
         out["item"] = _item(obj["item"], "item", eid)
         if obj.get("previous_item_id") is not None:
             out["previous_item_id"] = obj["previous_item_id"]
-    else:  # response.cancel, conversation.item.retrieve
+    else:  # response.cancel, conversation.item.retrieve / delete
         key = "response_id" if kind == ev.RESPONSE_CANCEL else "item_id"
         check_keys(obj, {"type", "event_id", key}, "", eid)
         out.update((k, v) for k, v in obj.items() if k == key and v is not None)
@@ -167,6 +168,7 @@ _PARSED = frozenset(
         ev.RESPONSE_CREATE,
         ev.CONVERSATION_ITEM_CREATE,
         ev.CONVERSATION_ITEM_RETRIEVE,
+        ev.CONVERSATION_ITEM_DELETE,
         ev.RESPONSE_CANCEL,
     }
 )
@@ -298,6 +300,9 @@ class OpenAIRealtime:
 
     name = "openai.realtime"
     binary = False
+    single_frame = False
+    # GA clients run the tools, then send response.create themselves.
+    tool_flow = ToolFlow.CLIENT
     subprotocol = SUBPROTOCOL  # also for a socket that offered no subprotocol
 
     def __init__(self, subprotocol: str | None = None, *, ignore_audio_settings: bool = True):
@@ -336,14 +341,21 @@ class OpenAIRealtime:
         frames, _ = self._translate(event)
         return [encode_json(frame) for frame in frames]
 
-    def encode(self, event: dict[str, Any]) -> str:
-        """The main GA frame (the Dialect protocol's one frame per event). ""
-        in the one case with none: requires_action for calls this socket never saw."""
+    frames = encode_all
+
+    def main_frame(self, event: dict[str, Any]) -> str:
+        """The frame that stands for the event (its `event_id` is `event_<seq>`);
+        "" in the one case with none: requires_action for calls never seen."""
         frames, main = self._translate(event)
         return encode_json(frames[main]) if frames else ""
 
-    def from_logged(self, frame: str | bytes) -> str:
-        return self.encode(decode_frame(frame))
+    @staticmethod
+    def encode(event: dict[str, Any]) -> str:
+        """What the log keeps: the internal event (a replay translates it again)."""
+        return encode_json(event)
+
+    def from_logged(self, frame: str | bytes) -> list[str]:
+        return self.encode_all(decode_frame(frame))
 
     def _translate(self, event: dict[str, Any]) -> tuple[Frames, int]:
         seq = event.get("seq")
@@ -390,6 +402,9 @@ class OpenAIRealtime:
 
     def _item_retrieved(self, event: dict[str, Any]) -> tuple[Frames, int]:
         return [_frame("conversation.item.retrieved", item=ga_item(event["item"]))], 0
+
+    def _item_deleted(self, event: dict[str, Any]) -> tuple[Frames, int]:
+        return [_frame("conversation.item.deleted", item_id=event["item_id"])], 0
 
     def _item_truncated(self, event: dict[str, Any]) -> tuple[Frames, int]:
         item_id = event["item_id"]
@@ -550,6 +565,7 @@ _ENCODERS = {
     ev.CONVERSATION_ITEM_CREATED: OpenAIRealtime._item_created,
     ev.CONVERSATION_ITEM_RETRIEVED: OpenAIRealtime._item_retrieved,
     ev.CONVERSATION_ITEM_TRUNCATED: OpenAIRealtime._item_truncated,
+    ev.CONVERSATION_ITEM_DELETED: OpenAIRealtime._item_deleted,
     ev.RESPONSE_CREATED: OpenAIRealtime._response_created,
     ev.RESPONSE_OUTPUT_TEXT_DELTA: OpenAIRealtime._text_delta,
     ev.RESPONSE_OUTPUT_TEXT_DONE: OpenAIRealtime._text_done,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .codec import decode_frame, encode_json, msgpack_encoder
+from .dialect import Frame, ToolFlow
 
 SUBPROTOCOL_JSON = "tokenwire.v1.json"
 SUBPROTOCOL_MSGPACK = "tokenwire.v1.msgpack"
@@ -17,6 +18,8 @@ class TokenwireV1:
     """One socket's v1 dialect; JSON unless msgpack was negotiated."""
 
     name = "tokenwire.v1"
+    single_frame = True
+    tool_flow = ToolFlow.CONTINUE
 
     def __init__(self, subprotocol: str | None = None) -> None:
         self.subprotocol = subprotocol or SUBPROTOCOL_JSON
@@ -27,10 +30,13 @@ class TokenwireV1:
     def parse(frame: str | bytes) -> Any:
         return decode_frame(frame)
 
-    def from_logged(self, frame: str | bytes) -> str | bytes:
+    def frames(self, event: dict[str, Any]) -> list[Frame]:
+        return [self.encode(event)]
+
+    def from_logged(self, frame: Frame) -> list[Frame]:
         if isinstance(frame, bytes) == self.binary:
-            return frame
-        return self.encode(decode_frame(frame))
+            return [frame]
+        return [self.encode(decode_frame(frame))]
 
 
 class TokenwireV1Family:
