@@ -128,22 +128,27 @@ class Delivery:
         """Resend what came after last_seq, then go live; returns how many."""
         assert self.ws is not None
         self.sent_seq = last_seq
-        replayed = 0
-        # A durable log may be written meanwhile: read until caught up with
-        # it, then go live with no await in between.
+        replayed = await self._send_logged(self.ws)
+        self.live = True
+        return replayed
+
+    async def _send_logged(self, ws: ServerConnection) -> int:
+        """Send what the log holds after sent_seq; returns how many events.
+        A durable log may be written meanwhile: read until caught up with it
+        (the caller then goes on with no await in between)."""
+        sent = 0
         while self.sent_seq < self.logged_seq:
-            frames = await self.log.read(self.sent_seq)
+            frames = [
+                (seq, f) for seq, f in await self.log.read(self.sent_seq) if seq > self.sent_seq
+            ]
             if not frames:
                 break
             for seq, frame in frames:
-                if seq <= self.sent_seq:
-                    continue
                 for out in self.dialect.from_logged(frame):
-                    await self.ws.send(out)
+                    await ws.send(out)
                 self.sent_seq = seq
-                replayed += 1
-        self.live = True
-        return replayed
+                sent += 1
+        return sent
 
     def go_live(self) -> None:
         """A new session's socket: nothing to replay."""
@@ -420,16 +425,20 @@ class Delivery:
         """Log the last events, then a final snapshot (taken after them), and
         give the live socket what it has not had (best effort)."""
         await self.stop_writer()
+        fenced = False
         async with self._log_lock:
             try:
-                batch = await self.log_batch(merge=False)
+                await self.log_batch(merge=False)
                 # Nothing pending now: this writes the snapshot alone.
                 await self.log.flush(LogState(snapshot(), {}, 0))
             except Fenced:
-                batch = []
+                fenced = True  # what is not logged must not reach the client
             self.stopped = True
-        with contextlib.suppress(Exception):
-            await self._send_batch(batch)
+        if self.live and self.ws is not None and not fenced:
+            # From the log: the writer may have been stopped mid-batch, with
+            # events logged but not sent yet.
+            with contextlib.suppress(Exception):
+                await self._send_logged(self.ws)
         if self.live and self.ws is not None:
             # Let the socket take the last frames before the close.
             with contextlib.suppress(Exception):
