@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -118,14 +119,15 @@ def spawn_server(
 class RunningServer:
     def __init__(self, server: TokenwireServer) -> None:
         self.server = server
+        self.tls = bool(server.config.ssl_certfile)
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.server.port}/v1/realtime"
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.server.port}/v1/realtime"
 
     @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.server.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.server.port}"
 
 
 @pytest.fixture
@@ -152,6 +154,58 @@ class _scripted_server:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.server.close()
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """A throwaway CA and a certificate it issued for 127.0.0.1 and localhost."""
+
+    ca_file: Path  # the CA certificate (PEM): what a client trusts; Node: NODE_EXTRA_CA_CERTS
+    certfile: Path  # the server's certificate chain (PEM), for --ssl-certfile
+    keyfile: Path  # its private key (PEM), for --ssl-keyfile
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client context that trusts the test CA (and nothing else)."""
+        return ssl.create_default_context(cafile=str(self.ca_file))
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    folder = tmp_path_factory.mktemp("tls")
+    files = TLSFiles(folder / "ca.pem", folder / "server.pem", folder / "server.key")
+    ca.cert_pem.write_to_path(str(files.ca_file))
+    for i, blob in enumerate(cert.cert_chain_pems):
+        blob.write_to_path(str(files.certfile), append=i > 0)
+    cert.private_key_pem.write_to_path(str(files.keyfile))
+    return files
+
+
+def tls_scripted_server(tls_files: TLSFiles, **overrides: object) -> _scripted_server:
+    """`async with tls_scripted_server(tls_files, api_keys=...) as running:` a
+    scripted server in this process on wss:// and https://."""
+    settings: dict[str, object] = {
+        "engine": "scripted",
+        "port": 0,
+        "max_message_bytes": 64 * 1024,
+        "scripted_tokens_per_s": 1000.0,
+        "ssl_certfile": str(tls_files.certfile),
+        "ssl_keyfile": str(tls_files.keyfile),
+        **overrides,
+    }
+    return _scripted_server(ServerConfig(**settings))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def tls_scripted(tls_files: TLSFiles) -> AsyncIterator[RunningServer]:
+    """A scripted server in this process with TLS: `.url` is wss://127.0.0.1:PORT/v1/realtime,
+    `.http` https://...; trust `tls_files.ca_file`. The server runs on the test's event
+    loop: run a client process with asyncio.create_subprocess_exec, never subprocess.run."""
+    async with tls_scripted_server(tls_files) as running:
+        yield running
 
 
 class VllmServer:

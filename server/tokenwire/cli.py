@@ -13,6 +13,9 @@ from .engines.vllm_args import forced_help  # no vLLM import: that waits for --e
 _HELP = {
     "host": "address to listen on",
     "port": "port to listen on",
+    "ssl_certfile": "PEM certificate (chain) to serve wss:// and https:// on the same port; "
+    "needs --ssl-keyfile",
+    "ssl_keyfile": "PEM private key of --ssl-certfile (unencrypted)",
     "engine": "vllm (the real model) or scripted (deterministic, for tests and benchmarks)",
     "model": "a local Hugging Face-format directory; default: the bundled SmolLM2-135M-Instruct",
     "dtype": "model dtype, a shortcut for vLLM's --dtype (default: vLLM's for the platform; "
@@ -109,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
-        help="serve ws://HOST:PORT/v1/realtime",
+        help="serve ws://HOST:PORT/v1/realtime (wss:// with --ssl-certfile and --ssl-keyfile)",
         usage="tokenwire serve [tokenwire flags] [-- vLLM engine flags]",
         epilog=_VLLM_EPILOG + forced_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -180,11 +183,17 @@ def serve(config: ServerConfig) -> int:
 
     logs.configure(config.log_level)
     from .server.admission import KeyFileError, KeyStore, is_loopback
+    from .server.tls import TLSError, server_context
 
     try:
         keys = KeyStore.load(config.api_keys_file, config.api_keys)
     except (KeyFileError, OSError) as exc:
         print(f"error: API keys: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server_context(config)  # fail now, not after the engine has loaded
+    except TLSError as exc:
+        print(f"error: TLS: {exc}", file=sys.stderr)
         return 2
     if not keys.enabled and not config.insecure and not is_loopback(config.host):
         print(

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field, fields
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765
+    # TLS on the same port: wss:// for /v1/realtime, https:// for the HTTP routes.
+    # Both or neither: a PEM certificate chain and its (unencrypted) private key.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     engine: str = "vllm"
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     # None: vLLM's default for the platform (on CPUs tokenwire picks float32,

@@ -34,6 +34,9 @@ ERRORS = Counter("tokenwire_client_errors_total", "error events sent, by code", 
 REJECTED = Counter(
     "tokenwire_handshakes_rejected_total", "Handshakes refused, by reason", ["reason"]
 )
+CLIENT_SECRETS = Counter(
+    "tokenwire_client_secrets_minted_total", "Client secrets (ek_ keys) minted"
+)
 PAUSES = Counter(
     "tokenwire_generation_pauses_total", "Generations paused because a client fell behind"
 )

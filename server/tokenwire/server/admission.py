@@ -3,8 +3,11 @@ and the per-key limits every session of a key shares.
 
 Keys come from a file (one per line, `#` comments) and/or the environment.
 A client presents one as `Authorization: Bearer <key>` or, since browsers
-cannot set headers, as the subprotocol entry `tokenwire.auth.<key>`. Keys are
-kept only as SHA-256 digests and logged only as a short key id.
+cannot set headers, as the subprotocol entry `tokenwire.auth.<key>` or
+`openai-insecure-api-key.<key>` (what OpenAI's JS SDK sends). Keys are kept
+only as SHA-256 digests and logged only as a short key id. A client secret
+(`ek_...`, server/client_secrets.py) is presented the same ways and counts
+as the key that minted it. OpenAI's beta Realtime dialect is refused here.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import hashlib
 import hmac
 import ipaddress
 import weakref
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
+from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Request, Response
@@ -25,14 +29,35 @@ from .. import metrics
 from ..config import ServerConfig
 from ..core.errors import ErrorCode
 from ..core.limits import TokenBucket
+from .client_secrets import ClientSecrets, SecretsUnavailable, is_client_secret
+from .client_secrets import unavailable_response as secrets_unavailable
 from .http import error_response
 
 AUTH_SUBPROTOCOL_PREFIX = "tokenwire.auth."
+# OpenAI's JS SDK in a browser offers `realtime` and this entry with its key.
+OPENAI_AUTH_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+AUTH_PREFIXES = (AUTH_SUBPROTOCOL_PREFIX, OPENAI_AUTH_SUBPROTOCOL_PREFIX)
+# OpenAI's beta Realtime dialect (its SDKs' `beta.realtime`) announces itself so.
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+BETA_HEADER_VALUE = "realtime=v1"  # in `OpenAI-Beta`, a comma-separated list
 
 
 def key_id(key: str) -> str:
     """A stable, non-secret name for a key, for logs and metrics."""
     return "key_" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def presented_key(authorization: str | None, subprotocols: Iterable[str]) -> str | None:
+    """The key a client presents: a Bearer header, else an auth subprotocol entry."""
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer":
+            return token.strip()
+    for entry in subprotocols:
+        for prefix in AUTH_PREFIXES:
+            if entry.startswith(prefix):
+                return entry[len(prefix) :]
+    return None
 
 
 class KeyFileError(ValueError):
@@ -110,16 +135,12 @@ class KeyStore:
                 return kid
         return None
 
+    def knows(self, kid: str) -> bool:
+        return kid in self._options
+
     def from_request(self, authorization: str | None, subprotocols: Iterable[str]) -> str | None:
         """The presented key's id, from the header or a subprotocol entry."""
-        if authorization:
-            scheme, _, token = authorization.partition(" ")
-            if scheme.lower() == "bearer":
-                return self.verify(token.strip())
-        for entry in subprotocols:
-            if entry.startswith(AUTH_SUBPROTOCOL_PREFIX):
-                return self.verify(entry[len(AUTH_SUBPROTOCOL_PREFIX) :])
-        return None
+        return self.verify(presented_key(authorization, subprotocols))
 
 
 def is_loopback(host: str) -> bool:
@@ -200,24 +221,68 @@ class Limiter:
             del self.keys[key_id]
 
 
+def unauthorized(message: str) -> Response:
+    metrics.REJECTED.labels("unauthorized").inc()
+    response = error_response(HTTPStatus.UNAUTHORIZED, "unauthorized", message)
+    response.headers["WWW-Authenticate"] = 'Bearer realm="tokenwire"'
+    return response
+
+
+NO_KEY = (
+    "present an API key (or a client secret, ek_...) as 'Authorization: Bearer <key>' or as "
+    "the subprotocol 'tokenwire.auth.<key>' or 'openai-insecure-api-key.<key>'"
+)
+
+
+def beta_refusal(headers: Any, offered: list[str]) -> Response | None:
+    """A 400 for OpenAI's beta Realtime dialect, which tokenwire does not speak;
+    GA clients send neither signal."""
+    beta_header = any(
+        entry.strip().lower() == BETA_HEADER_VALUE
+        for value in headers.get_all("OpenAI-Beta")
+        for entry in value.split(",")
+    )
+    if not beta_header and BETA_SUBPROTOCOL not in offered:
+        return None
+    metrics.REJECTED.labels("beta_not_supported").inc()
+    return error_response(
+        HTTPStatus.BAD_REQUEST,
+        "beta_not_supported",
+        "tokenwire speaks the GA OpenAI Realtime API, not the beta one: drop the "
+        "'OpenAI-Beta: realtime=v1' header and the 'openai-beta.realtime-v1' subprotocol "
+        "(with the openai SDK, use client.realtime, not client.beta.realtime)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What a handshake's credential admits: the key it counts against, and the
+    session settings a client secret carries."""
+
+    key_id: str
+    settings: dict[str, Any] | None = None
+
+
 class Admission:
     """Auth and connection limits at the handshake, before the upgrade and
     before any work; then the key's usage for the connection's lifetime."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, secrets: ClientSecrets | None = None) -> None:
         self.config = config
         self.keys = KeyStore.load(config.api_keys_file, config.api_keys)
         self.limiter = Limiter(config.max_responses_per_key, config.tokens_per_s_per_key, self.keys)
-        # Handshakes that passed auth, waiting for their handler: connection -> key id.
+        self.secrets = secrets or ClientSecrets(None, {})
+        # Handshakes that passed auth, waiting for their handler: connection -> grant.
         # Weak: a handshake that fails after auth never reaches its handler.
-        self._accepted: weakref.WeakKeyDictionary[ServerConnection, str] = (
+        self._accepted: weakref.WeakKeyDictionary[ServerConnection, Grant] = (
             weakref.WeakKeyDictionary()
         )
 
     def admit(
         self, conn: ServerConnection, request: Request, connections: int, draining: bool
-    ) -> Response | None:
-        """None to go on with the upgrade, or the HTTP refusal."""
+    ) -> Response | Awaitable[Response | None] | None:
+        """None to go on with the upgrade, or the HTTP refusal. A client secret
+        is looked up asynchronously (Redis); an API key stays on this sync path."""
         if draining:
             return error_response(
                 HTTPStatus.SERVICE_UNAVAILABLE, "draining", "this instance is shutting down"
@@ -227,21 +292,36 @@ class Admission:
             for header in request.headers.get_all("Sec-WebSocket-Protocol")
             for p in header.split(",")
         ]
-        if self.keys.enabled:
-            kid = self.keys.from_request(request.headers.get("Authorization"), offered)
-            if kid is None:
-                metrics.REJECTED.labels("unauthorized").inc()
-                response = error_response(
-                    HTTPStatus.UNAUTHORIZED,
-                    "unauthorized",
-                    "present an API key as 'Authorization: Bearer <key>' or as the subprotocol "
-                    "'tokenwire.auth.<key>'",
-                )
-                response.headers["WWW-Authenticate"] = 'Bearer realm="tokenwire"'
-                return response
-        else:
-            kid = "anonymous"
-        usage = self.limiter.keys.get(kid)
+        refusal = beta_refusal(request.headers, offered)
+        if refusal is not None:
+            return refusal
+        key = presented_key(request.headers.get("Authorization"), offered)
+        kid = self.keys.verify(key) if self.keys.enabled else None
+        if kid is None and is_client_secret(key):
+            assert key is not None
+            return self._admit_secret(conn, key, connections)
+        if kid is None and self.keys.enabled:
+            return unauthorized(NO_KEY)
+        return self._limit(conn, Grant(kid or "anonymous"), connections)
+
+    async def _admit_secret(
+        self, conn: ServerConnection, key: str, connections: int
+    ) -> Response | None:
+        try:
+            secret = await self.secrets.lookup(key)
+        except SecretsUnavailable:
+            return secrets_unavailable()
+        # Unknown, expired, or minted by a key this server no longer has.
+        if secret is None or (self.keys.enabled and not self.keys.knows(secret.key_id)):
+            return unauthorized(
+                "this client secret is unknown or has expired; mint a new one at "
+                "POST /v1/realtime/client_secrets"
+            )
+        kid = secret.key_id if self.keys.enabled else "anonymous"
+        return self._limit(conn, Grant(kid, secret.settings), connections)
+
+    def _limit(self, conn: ServerConnection, grant: Grant, connections: int) -> Response | None:
+        usage = self.limiter.keys.get(grant.key_id)
         if connections + len(self._accepted) >= self.config.max_connections or (
             usage is not None and usage.connections >= self.config.max_connections_per_key
         ):
@@ -251,24 +331,40 @@ class Admission:
                 "too_many_connections",
                 "the connection limit is reached; retry later",
             )
-        self._accepted[conn] = kid
+        self._accepted[conn] = grant
         return None
 
-    def connect(self, ws: ServerConnection, connections: int) -> KeyUsage | None:
-        """The usage an upgraded connection counts against, or None if the
-        limits filled up meanwhile (handshakes race; this count is the one
-        that matters)."""
-        kid = self._accepted.pop(ws, "anonymous")
-        usage = self.limiter.usage(kid)
+    def mint(self, request: Request, body: bytes | None) -> Response | Awaitable[Response]:
+        """`POST /v1/realtime/client_secrets`: needs a server API key (not a
+        client secret) when the server has keys; mints anonymously without."""
+        kid = "anonymous"
+        if self.keys.enabled:
+            found = self.keys.verify(presented_key(request.headers.get("Authorization"), ()))
+            if found is None:
+                return unauthorized(
+                    "minting a client secret needs a server API key as "
+                    "'Authorization: Bearer <key>' (a client secret cannot mint another)"
+                )
+            kid = found
+        return self.secrets.mint(kid, body, self.keys.min_priority(kid))
+
+    def connect(
+        self, ws: ServerConnection, connections: int
+    ) -> tuple[KeyUsage, dict[str, Any] | None] | None:
+        """The usage an upgraded connection counts against and the settings its
+        session starts with, or None if the limits filled up meanwhile
+        (handshakes race; this count is the one that matters)."""
+        grant = self._accepted.pop(ws, None) or Grant("anonymous")
+        usage = self.limiter.usage(grant.key_id)
         if (
             connections >= self.config.max_connections
             or usage.connections >= self.config.max_connections_per_key
         ):
-            self.limiter.forget_idle(kid)
+            self.limiter.forget_idle(grant.key_id)
             return None
         usage.connections += 1
         metrics.CONNECTIONS.inc()
-        return usage
+        return usage, grant.settings
 
     def disconnect(self, usage: KeyUsage) -> None:
         usage.connections -= 1

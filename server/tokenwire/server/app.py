@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import signal
+from collections.abc import Awaitable
 from http import HTTPStatus
 from typing import Any
 
@@ -25,12 +26,24 @@ from ..storage.redis import RedisStore
 from ..wire import dialect_for, select_subprotocol
 from ..wire.close_codes import CLOSE_TRY_AGAIN_LATER
 from .admission import Admission
-from .http import http_response, json_response, static_route
+from .body import BodyConnection, BodyError
+from .client_secrets import ClientSecrets
+from .http import error_response, http_response, json_response, static_route
 from .registry import Registry
+from .tls import server_context
 
 log = get_logger("tokenwire.server")
 
 REALTIME_PATH = "/v1/realtime"
+CLIENT_SECRETS_PATH = "/v1/realtime/client_secrets"
+BETA_SESSIONS_PATH = "/v1/realtime/sessions"  # the beta's ephemeral keys
+
+# A POST body websockets' connection could not read (server/body.py).
+_BODY_ERRORS = {
+    BodyError.LENGTH_REQUIRED: (HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length"),
+    BodyError.TOO_LARGE: (HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "the body is too large"),
+    BodyError.BAD_LENGTH: (HTTPStatus.BAD_REQUEST, "the Content-Length is not one number"),
+}
 
 
 class TokenwireServer:
@@ -39,7 +52,6 @@ class TokenwireServer:
         self.engine = engine or create_engine(config)
         self.connections: set[SessionRuntime] = set()  # sessions with a socket attached
         self.followers: set[Follower] = set()  # sockets following another instance's session
-        self.admission = Admission(config)
         self.store = (
             RedisStore(
                 config.redis_url,
@@ -50,6 +62,12 @@ class TokenwireServer:
             if config.redis_url
             else None
         )
+        # What a minted secret's GA session shows for settings it leaves unset.
+        defaults = {
+            "engine": self.engine.name,
+            "default_max_output_tokens": config.default_max_output_tokens,
+        }
+        self.admission = Admission(config, ClientSecrets(self.store, defaults))
         self.registry = Registry(self.engine, config, self.admission.limiter, self.store)
         self._server: Server | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -77,10 +95,34 @@ class TokenwireServer:
             "engine_load": {"running": load.running, "waiting": load.waiting, **load.extra},
         }
 
-    def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+    def _process_request(
+        self, conn: ServerConnection, request: Request
+    ) -> Response | Awaitable[Response | None] | None:
+        """Synchronous but for client secrets (minting; a handshake with one),
+        which websockets awaits."""
         path = request.path.split("?", 1)[0]
-        if path == REALTIME_PATH:
+        if path == REALTIME_PATH and request.method == "GET":
             return self.admission.admit(conn, request, len(self.connections), self.draining)
+        if path == CLIENT_SECRETS_PATH:
+            return self._client_secrets(conn, request)
+        if path == BETA_SESSIONS_PATH:
+            return error_response(
+                HTTPStatus.BAD_REQUEST,
+                "beta_not_supported",
+                "this is the beta Realtime API's session endpoint; tokenwire speaks the GA API: "
+                f"mint a client secret at POST {CLIENT_SECRETS_PATH} "
+                "(openai SDK: client.realtime.client_secrets.create)",
+            )
+        if request.method not in ("GET", "HEAD") or path == REALTIME_PATH:
+            response = error_response(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                f"{request.method} is served only at {CLIENT_SECRETS_PATH}"
+                if path != REALTIME_PATH
+                else f"the WebSocket handshake at {REALTIME_PATH} is a GET",
+            )
+            response.headers["Allow"] = "GET"
+            return response
         if path == "/metrics":
             self._update_gauges()
             body, content_type = metrics.render()
@@ -103,6 +145,27 @@ class TokenwireServer:
             {"error": f"no route {path!r}; the WebSocket endpoint is {REALTIME_PATH}"},
         )
 
+    def _client_secrets(
+        self, conn: ServerConnection, request: Request
+    ) -> Response | Awaitable[Response]:
+        if request.method != "POST":
+            response = error_response(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                f"mint a client secret with POST {CLIENT_SECRETS_PATH}",
+            )
+            response.headers["Allow"] = "POST"
+            return response
+        if self.draining:
+            return error_response(
+                HTTPStatus.SERVICE_UNAVAILABLE, "draining", "this instance is shutting down"
+            )
+        problem = getattr(conn, "body_error", None)
+        if problem is not None:
+            status, message = _BODY_ERRORS[problem]
+            return error_response(status, str(problem), message)
+        return self.admission.mint(request, getattr(conn, "body", None))
+
     def _update_gauges(self) -> None:
         load = self.engine.load()
         metrics.ENGINE_QUEUE.labels("running").set(load.running)
@@ -112,12 +175,15 @@ class TokenwireServer:
     # -- WebSocket ----------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        usage = self.admission.connect(ws, len(self.connections))
-        if usage is None:
+        admitted = self.admission.connect(ws, len(self.connections))
+        if admitted is None:
             await ws.close(CLOSE_TRY_AGAIN_LATER, "too_many_connections")
             return
+        usage, settings = admitted
         dialect = dialect_for(ws.subprotocol)
-        runtime: SessionRuntime | Follower = await self.registry.new_session(usage, ws.subprotocol)
+        runtime: SessionRuntime | Follower = await self.registry.new_session(
+            usage, ws.subprotocol, settings=settings
+        )
         resume_from: int | None = None
         try:
             while True:
@@ -167,6 +233,7 @@ class TokenwireServer:
     # -- lifecycle ----------------------------------------------------------
 
     async def start(self) -> None:
+        tls = server_context(self.config)  # a bad TLS setup fails before anything starts
         if self.store is not None:
             await self.store.start(self.registry.on_forward)
         self._engine_task = asyncio.create_task(self.engine.start())
@@ -197,10 +264,14 @@ class TokenwireServer:
             # asyncio's default of 100 overflows when thousands of clients
             # (re)connect at once, e.g. after another instance drained.
             backlog=4096,
+            # The HTTP routes share the port: https:// too with TLS.
+            ssl=tls,
+            # Reads the body of POST /v1/realtime/client_secrets (server/body.py).
+            create_connection=BodyConnection.with_max_body(self.config.max_message_bytes),
         )
         log.info(
             "listening",
-            url=f"ws://{self.config.host}:{self.port}{REALTIME_PATH}",
+            url=f"{'wss' if tls else 'ws'}://{self.config.host}:{self.port}{REALTIME_PATH}",
             engine=self.engine.name,
         )
 

@@ -40,8 +40,13 @@ def json_response(status: HTTPStatus, body: dict[str, Any]) -> Response:
     return http_response(status, json.dumps(body).encode(), "application/json")
 
 
-def error_response(status: HTTPStatus, code: str, message: str) -> Response:
-    return json_response(status, {"error": {"code": code, "message": message}})
+def error_response(
+    status: HTTPStatus, code: str, message: str, param: str | None = None
+) -> Response:
+    error = {"code": code, "message": message}
+    if param is not None:
+        error["param"] = param  # the request field at fault, as OpenAI names it
+    return json_response(status, {"error": error})
 
 
 def http_response(status: HTTPStatus, data: bytes, content_type: str) -> Response:

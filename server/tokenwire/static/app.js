@@ -1,5 +1,11 @@
 // The tokenwire demo page: a chat that streams, Stop, Steer, live stats.
 // It uses the JS client straight from client_js/src (served at /client/).
+//
+// Auth: the page connects with a short-lived client secret (ek_...), never with
+// an API key. It mints one at POST /v1/realtime/client_secrets, as an app's
+// backend would for its browser clients: without a key first (a server with no
+// API keys mints anonymously), else with the key the user types, which is used
+// for that one request and not kept.
 
 import { connect, TokenwireError } from "/client/index.js";
 
@@ -26,15 +32,65 @@ const ui = {
   sessionId: $("session-id"),
   engine: $("engine"),
   subprotocol: $("subprotocol"),
+  keyForm: $("key-form"),
+  apiKey: $("api-key"),
 };
 
 const params = new URLSearchParams(location.search);
 const wsUrl =
   params.get("ws") ?? `${location.protocol === "https:" ? "wss:" : "ws:"}//${location.host}/v1/realtime`;
 
+const mintUrl = (() => {
+  const url = new URL(wsUrl);
+  url.protocol = url.protocol === "wss:" ? "https:" : "http:";
+  url.pathname = "/v1/realtime/client_secrets";
+  url.search = "";
+  return url.toString();
+})();
+const SECRET_TTL_S = 3600; // the page mints a new one when this one is near its end
+
 let session = null;
 let current = null; // the Response being streamed
 let connectSerial = 0;
+let secret = null; // {value, expires_at} from the mint endpoint
+
+// -- client secrets -------------------------------------------------------------
+
+/** Mint a client secret; `apiKey` null tries without one. Resolves with the HTTP
+ * status (0: the endpoint could not be reached, e.g. another origin via ?ws=). */
+async function mint(apiKey) {
+  const headers = { "Content-Type": "application/json" };
+  if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
+  try {
+    const res = await fetch(mintUrl, {
+      method: "POST",
+      headers,
+      body: JSON.stringify({ expires_after: { anchor: "created_at", seconds: SECRET_TTL_S } }),
+    });
+    if (res.ok) secret = await res.json();
+    return res.status;
+  } catch {
+    return 0;
+  }
+}
+
+/** The secret to connect with: a string, null to connect without one (no
+ * endpoint there), or undefined when the user must give an API key first. */
+async function credential() {
+  if (secret && secret.expires_at * 1000 > Date.now() + 60_000) return secret.value;
+  secret = null;
+  const status = await mint(null);
+  if (secret) return secret.value;
+  return status === 401 ? undefined : null;
+}
+
+function askForKey(text = "") {
+  setConn("closed", "API key needed");
+  ui.keyForm.hidden = false;
+  if (text) showError(text);
+  else hideError();
+  ui.apiKey.focus();
+}
 
 // -- connection -----------------------------------------------------------------
 
@@ -53,8 +109,11 @@ async function open(protocol, notice = "") {
   setConn("connecting", "connecting…");
   setBusy(false);
   ui.send.disabled = true;
+  const apiKey = await credential();
+  if (serial !== connectSerial) return;
+  if (apiKey === undefined) return askForKey();
   try {
-    const s = await connect(wsUrl, { protocol });
+    const s = await connect(wsUrl, { protocol, apiKey: apiKey ?? undefined });
     if (serial !== connectSerial) return s.close();
     session = s;
   } catch (err) {
@@ -277,6 +336,20 @@ ui.steerForm.addEventListener("submit", async (e) => {
   } catch (err) {
     showError(err.message);
   }
+});
+
+ui.keyForm.addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const key = ui.apiKey.value.trim();
+  if (!key) return;
+  ui.apiKey.value = ""; // the key is not kept, in the page or in storage
+  const status = await mint(key);
+  if (!secret) {
+    const why = status === 401 ? "that API key was refused" : `the server answered ${status || "nothing"}`;
+    return askForKey(`Could not get a client secret: ${why}.`);
+  }
+  ui.keyForm.hidden = true;
+  open(ui.protocol.value);
 });
 
 ui.protocol.addEventListener("change", () => {

@@ -14,6 +14,10 @@ Per session:
   conversation's structure changes; text after it is in the log's deltas.
 - `tw:{sid}:meta`, a hash: the owning instance and the API key id.
 
+Per client secret (an `ek_` key minted at /v1/realtime/client_secrets):
+- `tw:ek:{sha256 of the key}`, the minting key id, expiry and session
+  settings, with the secret's TTL as Redis expiry. The key itself is never stored.
+
 Per instance:
 - `tw:inst:{iid}`, a lease kept alive by a heartbeat. Once it is gone the
   owner is dead (or drained) and another instance may take its sessions over.
@@ -53,7 +57,7 @@ return 0
 
 
 def _key(*parts: str) -> str:
-    """tw:{sid}:log|state|meta, tw:inst:{iid}, tw:inst:{iid}:inbox."""
+    """tw:{sid}:log|state|meta, tw:inst:{iid}, tw:inst:{iid}:inbox, tw:ek:{digest}."""
     return ":".join(("tw", *parts))
 
 
@@ -259,6 +263,15 @@ class RedisStore:
         """The session ended: its log goes with it."""
         with contextlib.suppress(redis.RedisError):
             await self.redis.delete(_key(sid, "log"), _key(sid, "state"), _key(sid, "meta"))
+
+    # -- client secrets -----------------------------------------------------------
+
+    async def put_secret(self, digest: str, record: list[Any], ttl_s: int) -> None:
+        await self.redis.set(_key("ek", digest), pack(record), ex=ttl_s)
+
+    async def secret(self, digest: str) -> list[Any] | None:
+        raw = await self.redis.get(_key("ek", digest))
+        return None if raw is None else unpack(raw)
 
 
 def _entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:

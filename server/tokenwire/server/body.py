@@ -1,0 +1,115 @@
+"""Request bodies on the WebSocket port, for `POST /v1/realtime/client_secrets`.
+
+websockets parses handshakes only: a request with a body (a Content-Length
+above 0, or Transfer-Encoding) fails in its parser, and the client gets no
+answer at all. The endpoint must share the port and URL base of /v1/realtime
+(OpenAI's SDKs derive both from one base URL), so `BodyConnection`, a subclass
+given to websockets' `serve(create_connection=...)` (its hook for customising
+connections), reads the body itself: it holds a POST's bytes back until head
+and body are in, keeps the body (`body`), and hands websockets the head without
+its body headers. websockets then parses the request and calls
+`process_request` as for any other, which answers from `conn.body`; TLS, the
+open timeout and connection accounting stay websockets'. Anything but a POST
+passes through untouched. No pipelining: websockets closes after an answer.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from websockets.asyncio.server import ServerConnection
+
+POST = b"POST "
+MAX_HEAD_BYTES = 64 * 1024  # beyond this websockets sees the head and answers 431
+_BODY_HEADERS = (b"content-length", b"transfer-encoding", b"expect")
+
+
+class BodyError(StrEnum):
+    """Why a POST's body was not read; process_request answers with it."""
+
+    LENGTH_REQUIRED = "length_required"  # chunked (no Content-Length): 411
+    TOO_LARGE = "too_large"  # more than max_body bytes: 413
+    BAD_LENGTH = "bad_length"  # a Content-Length that is not one number: 400
+
+
+class BodyConnection(ServerConnection):
+    """A websockets connection that also reads a POST's body."""
+
+    max_body = 1 << 20  # set by `with_max_body`
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: bytearray | None = bytearray()  # None once passing through
+        self._head: bytes | None = None  # the POST head for websockets, body headers gone
+        self._length = 0
+        self.body: bytes | None = None
+        self.body_error: BodyError | None = None
+
+    @classmethod
+    def with_max_body(cls, max_body: int) -> type[BodyConnection]:
+        return type(cls.__name__, (cls,), {"max_body": max_body})
+
+    def data_received(self, data: bytes) -> None:
+        held = self._held
+        if held is None:  # every WebSocket frame: one check, then websockets
+            super().data_received(data)
+            return
+        held += data
+        if self._head is None:
+            if not held.startswith(POST):
+                if len(held) < len(POST) and POST.startswith(held):
+                    return  # too short to tell yet
+                self._pass(bytes(held))
+                return
+            end = held.find(b"\r\n\r\n")
+            if end < 0:
+                if len(held) > MAX_HEAD_BYTES:
+                    self._pass(bytes(held))
+                return
+            self._head, self._length, self.body_error, expect = _read_head(
+                bytes(held[: end + 2]), self.max_body
+            )
+            del held[: end + 4]
+            if self.body_error is not None or self._length == 0:
+                self._pass(self._head)
+                return
+            if expect:  # curl waits for this before sending a body over 1 KiB
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if len(held) >= self._length:
+            self.body = bytes(held[: self._length])
+            self._pass(self._head)
+
+    def _pass(self, data: bytes) -> None:
+        self._held = None
+        super().data_received(data)
+
+
+def _read_head(head: bytes, max_body: int) -> tuple[bytes, int, BodyError | None, bool]:
+    """The head without its body headers (ending in the blank line), the body's
+    length, what is wrong with it, and whether the client waits for 100 Continue."""
+    kept: list[bytes] = []
+    lengths: set[bytes] = set()
+    chunked = expect = False
+    for i, line in enumerate(head.split(b"\r\n")[:-1]):
+        name, _, value = line.partition(b":")
+        name, value = name.strip().lower(), value.strip()
+        if i == 0 or name not in _BODY_HEADERS:
+            kept.append(line)
+        elif name == b"content-length":
+            lengths.add(value)
+        elif name == b"transfer-encoding":
+            chunked = True
+        else:
+            expect = value.lower() == b"100-continue"
+    out = b"\r\n".join(kept) + b"\r\n\r\n"
+    if chunked:
+        return out, 0, BodyError.LENGTH_REQUIRED, False
+    if not lengths:
+        return out, 0, None, False
+    [length, *others] = lengths
+    if others or not length.isdigit() or len(length) > 18:
+        return out, 0, BodyError.BAD_LENGTH, False
+    if int(length) > max_body:
+        return out, 0, BodyError.TOO_LARGE, False
+    return out, int(length), None, expect
