@@ -293,6 +293,8 @@ export class Session {
   /** Keep only the first `textEnd` code points of an assistant item. */
   truncate(itemId: string, textEnd: number): Promise<ServerEvent>;
   retrieveItem(itemId: string): Promise<Item>;
+  /** Take an item out of the conversation (conversation.item.deleted). */
+  deleteItem(itemId: string): Promise<ServerEvent>;
   /** Start a response; returns at once. */
   createResponse(params?: ResponseParams): Response;
   /** Add a user message, run a response, resolve with its text. */

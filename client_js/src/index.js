@@ -474,6 +474,11 @@ export class Session {
     return this.request({ type: "conversation.item.truncate", item_id: itemId, text_end: textEnd });
   }
 
+  /** Take an item out of the conversation; resolves with conversation.item.deleted. */
+  deleteItem(itemId) {
+    return this.request({ type: "conversation.item.delete", item_id: itemId });
+  }
+
   /** The current state of one conversation item. */
   async retrieveItem(itemId) {
     return (await this.request({ type: "conversation.item.retrieve", item_id: itemId })).item;

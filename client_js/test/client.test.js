@@ -206,6 +206,16 @@ for (const protocol of ["msgpack", "json"]) {
       assert.equal(item.status, "incomplete");
     });
 
+    test("deleteItem takes an item out of the conversation", async () => {
+      const first = await tw.addMessage("forget this");
+      await tw.addMessage("keep that");
+      const deleted = await tw.deleteItem(first.id);
+      assert.equal(deleted.type, "conversation.item.deleted");
+      assert.equal(deleted.item_id, first.id);
+      await assert.rejects(tw.retrieveItem(first.id), (err) => err.code === "unknown_item");
+      assert.equal(await tw.createResponse({}).text(), "You said: keep that");
+    });
+
     test("errors reject with a stable code; the connection stays open", async () => {
       await assert.rejects(
         tw.update({ temperature: 5 }),

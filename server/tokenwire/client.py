@@ -322,6 +322,10 @@ class Client:
             {"type": "conversation.item.truncate", "item_id": item_id, "text_end": text_end}
         )
 
+    async def delete_item(self, item_id: str) -> dict[str, Any]:
+        """Take an item out of the conversation (conversation.item.deleted)."""
+        return await self.request({"type": "conversation.item.delete", "item_id": item_id})
+
     async def ask(self, text: str, **params: Any) -> str:
         """Add a user message, run a response, return its text."""
         await self.add_message(text)

@@ -156,3 +156,16 @@ async def test_barge_in_keeps_only_what_was_heard(scripted: RunningServer) -> No
         await tw.truncate(item["id"], 20)
         history = await tw.request({"type": "conversation.item.retrieve", "item_id": item["id"]})
         assert history["item"]["content"] == heard[:20]
+
+
+async def test_delete_item_takes_it_out_of_the_conversation(scripted: RunningServer) -> None:
+    async with await connect(scripted.url) as tw:
+        first = await tw.add_message("forget this")
+        await tw.add_message("keep that")
+        deleted = await tw.delete_item(first["id"])
+        assert deleted["type"] == "conversation.item.deleted"
+        assert deleted["item_id"] == first["id"]
+        with pytest.raises(TokenwireError) as info:
+            await tw.request({"type": "conversation.item.retrieve", "item_id": first["id"]})
+        assert info.value.code == "unknown_item"
+        assert await (await tw.create_response()).text() == "You said: keep that"
