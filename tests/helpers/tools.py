@@ -12,3 +12,5 @@ WEATHER = {
     },
 }
 TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+# With a description: what the real model reads to fill in the call.
+WEATHER_DESCRIBED = {**WEATHER, "description": "Get the current weather for a city"}

@@ -5,25 +5,25 @@ validated strictly against the SDK's models."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from openai.types.realtime import ResponseDoneEvent
 
 from ..conftest import VllmServer
 from ..helpers.openai_clients import function_call_output, ga_connect, text_of, user_message
+from ..helpers.tools import WEATHER_DESCRIBED as WEATHER
 
 pytestmark = pytest.mark.vllm
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Get the current weather for a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
+
+async def completed(ga: Any) -> tuple[list[Any], ResponseDoneEvent]:
+    """The events up to the next response.done, which must be completed."""
+    events = await ga.until("response.done", timeout=60)
+    done = events[-1]
+    assert isinstance(done, ResponseDoneEvent)
+    assert done.response.status == "completed", done.response
+    return events, done
 
 
 async def test_function_call_round_trip(vllm_server: VllmServer) -> None:
@@ -42,10 +42,7 @@ async def test_function_call_round_trip(vllm_server: VllmServer) -> None:
         await ga.until("session.updated")
         await ga.conn.conversation.item.create(item=user_message("What is the weather in Paris?"))
         await ga.conn.response.create(response={"max_output_tokens": 80})
-        events = await ga.until("response.done", timeout=60)
-        done = events[-1]
-        assert isinstance(done, ResponseDoneEvent)
-        assert done.response.status == "completed", done.response
+        events, done = await completed(ga)
         (call,) = done.response.output or []
         assert call.type == "function_call" and call.name == "get_weather"
         args = json.loads(call.arguments)
@@ -62,10 +59,7 @@ async def test_function_call_round_trip(vllm_server: VllmServer) -> None:
         )
         await ga.until("conversation.item.done")
         await ga.conn.response.create(response={"tool_choice": "auto", "max_output_tokens": 200})
-        events = await ga.until("response.done", timeout=60)
-        done = events[-1]
-        assert isinstance(done, ResponseDoneEvent)
-        assert done.response.status == "completed", done.response
+        events, done = await completed(ga)
         (message,) = done.response.output or []
         assert message.type == "message" and message.role == "assistant"
         answer = text_of(events)

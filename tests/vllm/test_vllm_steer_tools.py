@@ -9,19 +9,9 @@ import pytest
 from tokenwire.client import connect
 
 from ..conftest import VllmServer
+from ..helpers.tools import WEATHER_DESCRIBED as WEATHER
 
 pytestmark = pytest.mark.vllm
-
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Get the current weather for a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
 
 
 async def retrieve(tw, item_id: str) -> dict:
