@@ -26,6 +26,7 @@ from .conversation import Conversation, Item, render_messages
 from .errors import ErrorCode, ProtocolError, error_event
 from .events import AbortGeneration, Outputs, StartGeneration, StartTimer
 from .response import Response, ResponseStatus
+from .stages import CONTENT_FILTER
 from .tools import ToolFlow, check_arguments, engine_tools
 
 Preflight = Callable[[GenerationRequest], tuple[int, ...] | None]
@@ -99,6 +100,8 @@ class Lifecycle:
             resp.cached_tokens += delta.cached_tokens or 0
         if delta.queue_wait_s is not None:
             resp.queue_wait_s += delta.queue_wait_s
+        if delta.cached_response:
+            resp.cached_response = True
         resp.output_tokens += delta.output_tokens
         if self.quota is not None:
             self.quota.spend_tokens(delta.output_tokens)
@@ -235,6 +238,7 @@ class Lifecycle:
             tool_choice=choice,
             priority=params.get("priority", 0),
             session_id=self.session_id,
+            cache=params.get("cache", True),
         )
 
     def checked_request(
@@ -270,7 +274,12 @@ class Lifecycle:
             resp.request_id = None
 
     def _end_generation(self, resp: Response, finish_reason: str) -> None:
-        if finish_reason not in ("stop", "length"):
+        if finish_reason == CONTENT_FILTER:
+            # What was delivered stays; the engine request is already closed.
+            self.finish(
+                resp, ResponseStatus.INCOMPLETE, {"type": "incomplete", "reason": CONTENT_FILTER}
+            )
+        elif finish_reason not in ("stop", "length"):
             self.finish(
                 resp, ResponseStatus.INCOMPLETE, {"type": "incomplete", "reason": "engine_aborted"}
             )

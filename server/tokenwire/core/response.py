@@ -53,6 +53,7 @@ class Response:
     cached_tokens: int = 0
     output_tokens: int = 0
     queue_wait_s: float = 0.0  # waiting for the engine's scheduler, all generations
+    cached_response: bool = False  # a response cache served a generation of it
     first_token_at: float | None = None
     done_at: float | None = None
 
@@ -150,6 +151,8 @@ class Response:
                 "cached_tokens": self.cached_tokens,
                 "total_tokens": self.input_tokens + self.output_tokens,
             }
+            if self.cached_response:
+                out["usage"]["cached_response"] = True
             total = self.done_at - self.created_at
             ttft = None if self.first_token_at is None else self.first_token_at - self.created_at
             decode = total - ttft if ttft is not None else 0.0

@@ -130,6 +130,8 @@ class ResponseParams(_Settings):
     metadata: dict[str, str] | None = None
     # Generate exactly max_output_tokens; for benchmarks.
     ignore_eos: bool = False
+    # False: the response cache (--response-cache) neither serves nor stores it.
+    cache: bool = True
 
 
 class _ClientEvent(BaseModel):

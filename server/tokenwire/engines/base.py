@@ -32,6 +32,8 @@ class GenerationRequest:
     # The session it belongs to: engines keep a session on one rank or
     # replica (its prefix cache), by this key.
     session_id: str | None = None
+    # False: a response cache must neither serve nor store it (`cache: false`).
+    cache: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,10 @@ class EngineDelta:
     text: str
     output_tokens: int
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    # Set on the first delta of a request.
+    # Usage, which consumers add up wherever prompt_tokens is set: the prompt
+    # and cached counts on the first delta. An engine that learns the cached
+    # count only at the end (a remote server reports it with the final usage)
+    # gives it on the last delta instead, with prompt_tokens 0.
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     tool_calls: list[ToolCallDelta] | None = None
@@ -58,6 +63,8 @@ class EngineDelta:
     token_ids: list[int] | None = None
     # Set on the first delta: how long the request waited for the scheduler.
     queue_wait_s: float | None = None
+    # Set on the first delta by a response cache that served this generation.
+    cached_response: bool = False
 
 
 @dataclass(slots=True)

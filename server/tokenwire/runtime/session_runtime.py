@@ -11,8 +11,10 @@ followed or taken over by another instance (runtime.cluster).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -26,6 +28,7 @@ from ..core.events import AbortGeneration, StartGeneration, StartTimer
 from ..core.lifecycle import Quota
 from ..core.schema import SessionResume, parse_client_event
 from ..core.session import Session, SessionLimits
+from ..core.stages import Source, Stage, StageContext
 from ..engines.base import Engine, EngineDelta, EngineError
 from ..logs import get_logger
 from ..storage.eventlog import EventLog, LogState, MemoryLog, resume_problem
@@ -74,8 +77,11 @@ class SessionRuntime:
         log_for: Callable[[str, int], EventLog] | None = None,
         restored: tuple[dict[str, Any], list[Any]] | None = None,
         settings: dict[str, Any] | None = None,
+        stages: Sequence[Stage] = (),
     ) -> None:
         self.engine = engine
+        # Between the engine and the session, innermost first (core.stages).
+        self.stages = tuple(stages)
         self.config = config
         self.usage = usage
         self._find_session = find_session
@@ -95,6 +101,11 @@ class SessionRuntime:
                 "max_message_bytes": config.max_message_bytes,
                 # Applies when max_output_tokens is null.
                 "default_max_output_tokens": config.default_max_output_tokens,
+                **{
+                    k: v
+                    for stage in stages
+                    for k, v in stage.session_info(usage.key_id if usage else "anonymous").items()
+                },
             },
             "preflight": engine.preflight,
             "capabilities": engine.capabilities,
@@ -329,12 +340,24 @@ class SessionRuntime:
         self.session.receive_timeout(response_id, token)
         self.pump()
 
+    def _source(self, response_id: str) -> Source:
+        """The engine's generate, wrapped by the stages."""
+        source: Source = self.engine.generate
+        if self.stages:
+            context = StageContext(self.key_id or "anonymous", self.session.id, response_id)
+            for stage in self.stages:
+                source = functools.partial(stage.stream, context=context, source=source)
+        return source
+
     async def _generate(self, action: StartGeneration) -> None:
         rid = action.request.request_id
         try:
-            async for delta in self.engine.generate(action.request):
-                self.session.receive_engine_output(rid, delta)
-                self.pump()
+            stream = self._source(action.response_id)(action.request)
+            # Closed however the loop ends: a stage's close closes what it wraps.
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for delta in stream:
+                    self.session.receive_engine_output(rid, delta)
+                    self.pump()
             # A stream that ends without a finish reason still ends the response.
             self.session.receive_engine_output(rid, EngineDelta("", 0, "abort"))
         except EngineError as exc:

@@ -22,6 +22,7 @@ from ..runtime import cluster
 from ..runtime.follower import Follower
 from ..runtime.session_runtime import GONE, RuntimeState, SessionRuntime
 from ..runtime.socket import ClientSocket, Handoff, Outcome
+from ..stages import build_stages
 from ..storage.redis import RedisStore
 from ..wire import dialect_for, select_subprotocol
 from ..wire.close_codes import CLOSE_TRY_AGAIN_LATER
@@ -69,6 +70,7 @@ class TokenwireServer:
         }
         self.admission = Admission(config, ClientSecrets(self.store, defaults))
         self.registry = Registry(self.engine, config, self.admission.limiter, self.store)
+        self.registry.stages = build_stages(config, self.store)
         self._server: Server | None = None
         self._engine_task: asyncio.Task[None] | None = None
         self.draining = False

@@ -10,6 +10,7 @@ from .. import metrics
 from ..config import ServerConfig
 from ..core.errors import ErrorCode, ProtocolError
 from ..core.schema import SessionResume
+from ..core.stages import Stage
 from ..engines.base import Engine
 from ..runtime import cluster
 from ..runtime.follower import Follower
@@ -29,6 +30,7 @@ class Registry:
         self.limiter = limiter
         self.store = store
         self.sessions: dict[str, SessionRuntime] = {}
+        self.stages: tuple[Stage, ...] = ()  # what every new session's generations pass through
         self._expiring: set[asyncio.Task[None]] = set()
 
     def _log_for(self, session_id: str, logged_seq: int) -> EventLog:
@@ -51,6 +53,7 @@ class Registry:
             self._log_for if self.store is not None else None,
             restored,
             settings,
+            self.stages,
         )
         runtime.on_moved = self.forget
         self.sessions[runtime.session.id] = runtime

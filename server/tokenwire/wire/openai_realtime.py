@@ -179,6 +179,7 @@ _REASONS = {  # internal status_details.reason -> GA's (absent: GA has no such r
     "client_cancelled": "client_cancelled",
     "client_disconnected": "client_cancelled",
     "max_output_tokens": "max_output_tokens",
+    "content_filter": "content_filter",
 }
 
 
