@@ -23,6 +23,8 @@ from tokenwire.config import ServerConfig
 from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.server import TokenwireServer
 
+from .remote.vllm_serve import VllmOpenAI, vllm_serve
+
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
 
@@ -294,3 +296,14 @@ def redis_server() -> Iterator[RedisServer]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def vllm_openai() -> Iterator[VllmOpenAI]:
+    """One real `vllm serve` (vLLM's OpenAI server, SmolLM2 on the CPU, with
+    --enable-scale-out) for the whole run: what `--engine remote` drives."""
+    from tokenwire.models import resolve_model
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with vllm_serve(str(resolve_model(None)), free_port(), ARTIFACTS / "vllm-openai.log") as server:
+        yield server

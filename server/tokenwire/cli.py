@@ -16,7 +16,8 @@ _HELP = {
     "ssl_certfile": "PEM certificate (chain) to serve wss:// and https:// on the same port; "
     "needs --ssl-keyfile",
     "ssl_keyfile": "PEM private key of --ssl-certfile (unencrypted)",
-    "engine": "vllm (the real model) or scripted (deterministic, for tests and benchmarks)",
+    "engine": "vllm (the real model, in process), remote (vLLM servers given by --remote-url) "
+    "or scripted (deterministic, for tests and benchmarks)",
     "model": "a local Hugging Face-format directory; default: the bundled SmolLM2-135M-Instruct",
     "dtype": "model dtype, a shortcut for vLLM's --dtype (default: vLLM's for the platform; "
     "on CPUs float32, the fastest without AVX512-BF16)",
@@ -44,6 +45,20 @@ _HELP = {
     "redis_ttl_s": "seconds a session's Redis keys outlive its last write",
     "lease_s": "seconds without a heartbeat after which an instance counts as dead",
     "drain_timeout_s": "on SIGTERM, seconds running responses get to finish before handover",
+    "response_cache": "answer deterministic requests (temperature 0) from a cache of earlier "
+    "identical generations, per tenant; in Redis with --redis-url, else in memory",
+    "response_cache_ttl_s": "seconds a response cache entry lives",
+    "response_cache_max_bytes": "in-memory response cache size (LRU); no entry larger than an "
+    "eighth of it is stored (either backend)",
+    "guardrail": "a filter on every response's text, NAME[:ARG]: blocklist:FILE (words, or "
+    "re:REGEX lines), pii (redacts e-mails and phones), or an entry point of the group "
+    "tokenwire.guardrails; repeat for several (env: comma-separated)",
+    "guardrail_set": "a named filter set for API keys (KEY guardrails=NAME): NAME=NAME[:ARG], "
+    "one filter a flag, repeatable",
+    "guardrail_timeout_ms": "milliseconds an async guardrail filter may take per check",
+    "guardrail_on_timeout": "closed: a filter that times out or fails blocks; open: it allows",
+    "guardrail_lookahead_chars": "characters of output held back until every filter cleared "
+    "them (more if a blocklist phrase is longer)",
     "api_keys_file": "file of API keys, one per line; clients must present one",
     "api_keys": "API keys, comma-separated (prefer --api-keys-file)",
     "insecure": "serve a non-loopback address without API keys",
@@ -54,10 +69,24 @@ _HELP = {
     "tokens_per_s_per_key": "output tokens per second per API key (0: unlimited)",
     "max_events_per_s": "client events per second per connection, burst twice that",
     "idle_timeout_s": "close a connection with no frames and nothing running (code 4000)",
+    "remote_url": "--engine remote: a vLLM OpenAI-compatible server or router base URL, "
+    "e.g. http://10.0.0.5:8000; repeat the flag for several replicas (env: comma-separated)",
+    "remote_session_header": "--engine remote: the request header carrying the session id, "
+    "for a router's session affinity",
+    "remote_timeout_s": "--engine remote: seconds a server may stay silent (queued before "
+    "its first token, or mid-stream) before the stream counts as stalled",
+    "remote_ttft_timeout_s": "--engine remote, several replicas: seconds to wait for a first "
+    "token before the request goes to the next replica (0: no limit)",
+    "remote_priority": "--engine remote: the servers schedule by priority "
+    "(vllm serve --scheduling-policy priority), so request priorities matter",
     "log_content": "log message text (off by default: logs never hold user data)",
     "log_level": "debug, info, warning or error",
 }
-_CHOICES = {"engine": ["vllm", "scripted"], "log_level": ["debug", "info", "warning", "error"]}
+_CHOICES = {
+    "engine": ["vllm", "remote", "scripted"],
+    "log_level": ["debug", "info", "warning", "error"],
+    "guardrail_on_timeout": ["open", "closed"],
+}
 _TYPES: dict[str, type] = {"max_model_len": int}
 _SHORTCUTS = ("model", "dtype", "max_model_len")
 _VLLM_EPILOG = """\
@@ -77,6 +106,8 @@ def _env_default(name: str, default: Any) -> Any:
     raw = os.environ.get(env_name(name))
     if raw is None:
         return default
+    if isinstance(default, tuple):
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
     if isinstance(default, bool):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if isinstance(default, int):
@@ -95,6 +126,11 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         if isinstance(getattr(defaults, name), bool):
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=helptext
+            )
+            continue
+        if isinstance(getattr(defaults, name), tuple):  # a repeatable flag
+            parser.add_argument(
+                flag, action="append", default=None, help=helptext.replace("%(default)s", "none")
             )
             continue
         kind = _TYPES.get(name) or (
@@ -143,8 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
 
+    given = {name: getattr(args, name) for name in FIELDS}
+    for name, value in given.items():
+        if value is None and isinstance(getattr(ServerConfig(), name), tuple):
+            given[name] = _env_default(name, ())  # a repeatable flag not on the command line
+        elif isinstance(value, list):
+            given[name] = tuple(value)
     config = ServerConfig(
-        **{name: getattr(args, name) for name in FIELDS},
+        **given,
         vllm_args=tuple(vllm_argv),
         shortcuts_given=tuple(n for n in _SHORTCUTS if _given(n, argv)),
     )
@@ -159,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         from .engines.vllm_args import check_or_exit
 
         check_or_exit(vllm_argv)
+    if config.engine == "remote":
+        from .engines.remote import check_or_exit as check_remote
+
+        check_remote(config)  # an unreachable or mismatched server fails here, code 2
+    elif config.remote_url:
+        print("error: --remote-url needs --engine remote", file=sys.stderr)
+        return 2
     return serve(config)
 
 
@@ -189,6 +238,14 @@ def serve(config: ServerConfig) -> int:
         keys = KeyStore.load(config.api_keys_file, config.api_keys)
     except (KeyFileError, OSError) as exc:
         print(f"error: API keys: {exc}", file=sys.stderr)
+        return 2
+    from .stages.filters import GuardrailError
+    from .stages.guardrails import build_guardrails
+
+    try:
+        build_guardrails(config, keys)  # a missing blocklist or plugin fails now, code 2
+    except GuardrailError as exc:
+        print(f"error: guardrails: {exc}", file=sys.stderr)
         return 2
     try:
         server_context(config)  # fail now, not after the engine has loaded

@@ -51,6 +51,22 @@ class ServerConfig:
     redis_ttl_s: float = 3600.0  # a session's keys outlive its last write by this
     lease_s: float = 5.0  # an owner silent this long is dead: its sessions may be taken over
     drain_timeout_s: float = 30.0  # on SIGTERM, how long responses get to finish
+    # Response cache (stages.cache): deterministic requests answered from a
+    # stored generation; in Redis with --redis-url, else an in-memory LRU.
+    response_cache: bool = False
+    response_cache_ttl_s: float = 3600.0  # an entry expires this long after it was stored
+    # Memory: the LRU's total; either backend: no entry over an eighth of it.
+    response_cache_max_bytes: int = 64 << 20
+    # Streaming guardrails (stages.guardrails): filters every tenant's output
+    # passes, `NAME[:ARG]` each (blocklist:FILE, pii, or an entry point).
+    guardrail: tuple[str, ...] = ()
+    # Named sets for API keys (`KEY guardrails=NAME`): `NAME=NAME[:ARG]`, one
+    # filter a flag; a set is what all its flags name.
+    guardrail_set: tuple[str, ...] = ()
+    guardrail_timeout_ms: float = 500.0  # an async filter's check, at most
+    guardrail_on_timeout: str = "closed"  # closed: a timed-out check blocks; open: it allows
+    # Characters held back until cleared (more if a filter needs it).
+    guardrail_lookahead_chars: int = 32
     # Security and limits.
     api_keys_file: str | None = None  # one key per line
     api_keys: str | None = None  # comma-separated; prefer the file or the env var
@@ -64,6 +80,17 @@ class ServerConfig:
     idle_timeout_s: float = 600.0  # no client frame and nothing running: close (4000)
     log_content: bool = False  # log message text; off so logs never hold user data
     log_level: str = "info"
+    # --engine remote: vLLM OpenAI-compatible servers (or a router in front of
+    # them), driven with token ids. A session is pinned to one by its id.
+    remote_url: tuple[str, ...] = ()
+    # The header that carries the session id, for a router's session affinity.
+    remote_session_header: str = "X-Session-ID"
+    # A stream silent this long (no token, no keep-alive) has stalled.
+    remote_timeout_s: float = 30.0
+    # With several replicas: no first token this long, try the next (0: wait).
+    remote_ttft_timeout_s: float = 20.0
+    # The servers run `--scheduling-policy priority`; tokenwire cannot see it.
+    remote_priority: bool = False
     # vLLM's own engine flags (everything after `--`), and which of the
     # shortcuts above the user set on tokenwire's side; not flags themselves.
     vllm_args: tuple[str, ...] = field(default=(), metadata={"cli": False})

@@ -44,6 +44,39 @@ TAKEOVERS = Counter(
     "tokenwire_session_takeovers_total", "Sessions continued here after their owner was gone"
 )
 
+CACHE_HITS = Counter(
+    "tokenwire_response_cache_hits_total",
+    "Generations the response cache answered: from a stored entry, or by following an "
+    "identical generation in flight",
+    ["source"],
+)
+CACHE_MISSES = Counter(
+    "tokenwire_response_cache_misses_total", "Cacheable generations the engine had to run"
+)
+CACHE_STORED_BYTES = Counter(
+    "tokenwire_response_cache_stored_bytes_total", "Bytes of entries written to the response cache"
+)
+CACHE_MEMORY_BYTES = Gauge(
+    "tokenwire_response_cache_memory_bytes", "Bytes the in-memory response cache holds"
+)
+CACHE_EVICTIONS = Counter(
+    "tokenwire_response_cache_evictions_total",
+    "Entries the in-memory response cache dropped to stay under its size cap",
+)
+
+
+GUARDRAIL_BLOCKS = Counter(
+    "tokenwire_guardrail_blocks_total", "Generations a guardrail filter stopped", ["filter"]
+)
+GUARDRAIL_REDACTIONS = Counter(
+    "tokenwire_guardrail_redactions_total", "Windows a guardrail filter rewrote", ["filter"]
+)
+GUARDRAIL_FAILURES = Counter(
+    "tokenwire_guardrail_failures_total",
+    "Guardrail checks that timed out or failed (then --guardrail-on-timeout decides)",
+    ["filter", "kind"],
+)
+
 
 def render() -> tuple[bytes, str]:
     return generate_latest(), CONTENT_TYPE_LATEST

@@ -1,8 +1,10 @@
 """The Engine interface's conformance suite: every engine passes it before
 anything else (docs/architecture.md, "Adding an engine").
 
-It runs against the scripted engine and the real vLLM engine (SmolLM2 on the
-CPU, in this process; one engine for the module). It checks what the
+It runs against the scripted engine, the real vLLM engine (SmolLM2 on the
+CPU, in this process; one engine for the module), and the remote engine in
+front of a real `vllm serve` (one server for the whole run), through each of
+its two endpoints: /inference/v1/generate and /v1/completions. It checks what the
 session relies on: deltas with a finish reason on the last, usage on the
 first, max_output_tokens, the preflight and its rendered prompt, resuming
 after token ids, forced tool calls, and that closing the stream frees the
@@ -61,11 +63,32 @@ def request(text: str = "What is the capital of France?", **kw: object) -> Gener
 @pytest_asyncio.fixture(
     scope="module",
     loop_scope="module",
-    params=["scripted", pytest.param("vllm", marks=pytest.mark.vllm)],
+    params=[
+        "scripted",
+        pytest.param("vllm", marks=pytest.mark.vllm),
+        pytest.param("remote", marks=pytest.mark.vllm),
+        pytest.param("remote-completions", marks=pytest.mark.vllm),
+    ],
 )
 async def engine(request: pytest.FixtureRequest) -> AsyncIterator[Engine]:
     if request.param == "scripted":
         made: Engine = ScriptedEngine(tokens_per_s=2000)
+    elif request.param.startswith("remote"):
+        from tokenwire.engines.remote import RemoteEngine
+
+        server = request.getfixturevalue("vllm_openai")
+        remote = RemoteEngine(ServerConfig(engine="remote", remote_url=(server.url,)))
+        await remote.start()
+        assert [r.generate_endpoint for r in remote.replicas] == [True]  # --enable-scale-out
+        if request.param == "remote-completions":
+            # The portable path every server and router offers; the same server serves both.
+            for replica in remote.replicas:
+                replica.generate_endpoint = False
+        try:
+            yield remote
+        finally:
+            await remote.close()
+        return
     else:
         from tokenwire.engines.vllm import VllmEngine
 
@@ -113,10 +136,15 @@ async def test_stream_shape(engine: Engine) -> None:
     assert deltas, "no output at all"
     assert [d.finish_reason is not None for d in deltas] == [False] * (len(deltas) - 1) + [True]
     assert deltas[-1].finish_reason in ("stop", "length")
-    # Usage comes with the first delta, and only there.
+    # Usage comes with the first delta; an engine that learns the cached count
+    # only at the end (a remote server) gives it on the last, with a prompt of
+    # 0 (usage adds up). Nowhere else.
     assert deltas[0].prompt_tokens is not None and deltas[0].prompt_tokens > 0
-    assert deltas[0].cached_tokens is not None and deltas[0].cached_tokens >= 0
-    assert all(d.prompt_tokens is None for d in deltas[1:])
+    assert all(d.prompt_tokens is None for d in deltas[1:-1])
+    assert len(deltas) == 1 or deltas[-1].prompt_tokens in (None, 0)
+    cached = [d.cached_tokens for d in deltas if d.prompt_tokens is not None]
+    assert [c for c in cached if c is not None], "no cached_tokens reported"
+    assert all(c >= 0 for c in cached if c is not None)
     total = sum(d.output_tokens for d in deltas)
     assert 1 <= total <= 16
     assert text_of(deltas).strip()

@@ -1,4 +1,5 @@
-"""Engines behind one interface: `vllm` (real), `scripted` (deterministic)."""
+"""Engines behind one interface: `vllm` (real, in process), `remote` (vLLM
+servers over HTTP), `scripted` (deterministic)."""
 
 from __future__ import annotations
 
@@ -43,4 +44,8 @@ def create_engine(config: ServerConfig) -> Engine:
         from .vllm import VllmEngine
 
         return VllmEngine(config)
-    raise ValueError(f"unknown engine {config.engine!r}; choose vllm or scripted")
+    if config.engine == "remote":
+        from .remote import RemoteEngine
+
+        return RemoteEngine(config)
+    raise ValueError(f"unknown engine {config.engine!r}; choose vllm, remote or scripted")

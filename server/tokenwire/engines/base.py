@@ -32,6 +32,9 @@ class GenerationRequest:
     # The session it belongs to: engines keep a session on one rank or
     # replica (its prefix cache), by this key.
     session_id: str | None = None
+    # vLLM's cache_salt: requests share prefix-cache blocks only with requests
+    # of the same salt (one per tenant keeps tenants' caches apart). None: no salt.
+    cache_salt: str | None = None
     # False: a response cache must neither serve nor store it (`cache: false`).
     cache: bool = True
 

@@ -9,7 +9,6 @@ Cancelling the task that iterates `generate` aborts the vLLM request.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import zlib
 from collections import Counter
@@ -25,6 +24,7 @@ from .base import (
     EngineUnavailable,
     GenerationRequest,
 )
+from .chat_template import ChatTemplate
 from .toolcalls import ParserStream, forced_scanner, structured_schema
 
 if TYPE_CHECKING:
@@ -85,6 +85,7 @@ class VllmEngine:
         self.model_path: str | None = None
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._template: ChatTemplate | None = None
         self._tracker: Any = None
         self._max_len: int | None = None
         self._ready = asyncio.Event()
@@ -150,6 +151,7 @@ class VllmEngine:
             AsyncLLM.from_engine_args, args, stat_loggers=[self._tracker]
         )
         self._tokenizer = self._llm.get_tokenizer()
+        self._template = ChatTemplate(self._tokenizer)
         self._max_len = self._llm.model_config.max_model_len
         vllm_config = self._llm.vllm_config
         self.ranks = vllm_config.parallel_config.data_parallel_size
@@ -181,44 +183,13 @@ class VllmEngine:
             extra["requests_by_rank"] = {str(r): n for r, n in sorted(self.sent_by_rank.items())}
         return EngineLoad(running=totals["running"], waiting=totals["waiting"], extra=extra)
 
-    def _template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Tool turns in the shape the chat template understands."""
-        if "tool_calls" in (self._tokenizer.chat_template or ""):
-            # HF templates take a call's arguments as a mapping.
-            return [
-                {**m, "tool_calls": [_with_parsed_arguments(c) for c in m["tool_calls"]]}
-                if m.get("tool_calls")
-                else m
-                for m in messages
-            ]
-        # No tool support in the template (SmolLM2's ChatML). Measured on
-        # SmolLM2: written-out calls make it imitate JSON instead of answering,
-        # while a plain "Result of NAME: ..." user turn gets a grounded answer.
-        names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())}
-        out = []
-        for m in messages:
-            if m.get("tool_calls"):
-                if m["content"]:
-                    out.append({"role": "assistant", "content": m["content"]})
-            elif m["role"] == "tool":
-                name = names.get(m["tool_call_id"], "the tool")
-                out.append({"role": "user", "content": f"Result of {name}: {m['content']}"})
-            else:
-                out.append(m)
-        return out
-
     def render(self, request: GenerationRequest) -> list[int]:
         """Token ids of the chat, through the tokenizer's chat template."""
-        text = self._tokenizer.apply_chat_template(
-            self._template_messages(request.messages),
-            tools=request.tools,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        assert self._template is not None
+        return self._template.render(request.messages, request.tools)
 
     def preflight(self, request: GenerationRequest) -> tuple[int, ...] | None:
-        if self._tokenizer is None:
+        if self._template is None:
             return None  # not loaded yet; generate() checks once it is
         return tuple(self._checked_ids(request))
 
@@ -272,7 +243,10 @@ class VllmEngine:
             self.sent_by_rank[rank] += 1
         first = True
         async for out in self._llm.generate(
-            {"prompt_token_ids": ids},
+            {
+                "prompt_token_ids": ids,
+                **({"cache_salt": salt} if (salt := request.cache_salt) else {}),
+            },
             params,
             request.request_id,
             priority=request.priority,
@@ -302,11 +276,3 @@ def _queue_wait(stats: Any) -> float | None:
     if stats is None or not stats.scheduled_ts or not stats.queued_ts:
         return None
     return max(stats.scheduled_ts - stats.queued_ts, 0.0)
-
-
-def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call["function"]["arguments"])
-    except ValueError:
-        arguments = call["function"]["arguments"]
-    return {**call, "function": {**call["function"], "arguments": arguments}}

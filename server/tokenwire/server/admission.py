@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import ipaddress
 import weakref
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -64,35 +64,50 @@ class KeyFileError(ValueError):
     """A key entry tokenwire cannot read; the message says which and why."""
 
 
-# Options a key entry may carry after the key: `KEY min_priority=10`.
-KEY_OPTIONS = {"min_priority": int}
+def _set_name(value: str) -> str:
+    if not value or not all(c.isalnum() or c in "_.-" for c in value):
+        raise ValueError("must be a name (letters, digits, _ . -)")
+    return value
 
 
-def parse_key_entry(line: str) -> tuple[str, dict[str, int]] | None:
+def _integer(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError("must be an integer") from None
+
+
+# Options a key entry may carry after the key, with how each reads its value:
+# `KEY min_priority=10 guardrails=strict` (a --guardrail-set, or `none`).
+KEY_OPTIONS: dict[str, Callable[[str], Any]] = {"min_priority": _integer, "guardrails": _set_name}
+_OPTION_FORMS = {"min_priority": "min_priority=N", "guardrails": "guardrails=NAME"}
+
+
+def parse_key_entry(line: str) -> tuple[str, dict[str, Any]] | None:
     """`KEY [name=value ...]`; None for a blank line or a comment."""
     line = line.strip()
     if not line or line.startswith("#"):
         return None
     key, *rest = line.split()
-    options: dict[str, int] = {}
+    options: dict[str, Any] = {}
     for item in rest:
         name, sep, value = item.partition("=")
         if not sep or name not in KEY_OPTIONS:
             raise KeyFileError(
                 f"key {key_id(key)}: unknown option {item!r}; known: "
-                f"{', '.join(f'{n}=N' for n in KEY_OPTIONS)}"
+                f"{', '.join(_OPTION_FORMS[n] for n in KEY_OPTIONS)}"
             )
         try:
             options[name] = KEY_OPTIONS[name](value)
-        except ValueError:
-            raise KeyFileError(f"key {key_id(key)}: {name} must be an integer") from None
+        except ValueError as exc:
+            raise KeyFileError(f"key {key_id(key)}: {name} {exc}") from None
     return key, options
 
 
 class KeyStore:
     def __init__(self, keys: Iterable[str] = ()) -> None:
         self._digests: dict[bytes, str] = {}
-        self._options: dict[str, dict[str, int]] = {}  # key id -> options
+        self._options: dict[str, dict[str, Any]] = {}  # key id -> options
         for line in keys:
             entry = parse_key_entry(line)
             if entry is not None:
@@ -104,6 +119,15 @@ class KeyStore:
     def min_priority(self, kid: str) -> int | None:
         """The best (lowest) priority this key's sessions may ask for."""
         return self._options.get(kid, {}).get("min_priority")
+
+    def guardrail_set(self, kid: str) -> str | None:
+        """The named guardrail set this key's sessions get (None: the default)."""
+        return self._options.get(kid, {}).get("guardrails")
+
+    @property
+    def guardrail_sets(self) -> set[str]:
+        """Every set a key names, to check against the configured ones."""
+        return {o["guardrails"] for o in self._options.values() if "guardrails" in o}
 
     @property
     def has_priority_floors(self) -> bool:

@@ -70,7 +70,7 @@ class TokenwireServer:
         }
         self.admission = Admission(config, ClientSecrets(self.store, defaults))
         self.registry = Registry(self.engine, config, self.admission.limiter, self.store)
-        self.registry.stages = build_stages(config, self.store)
+        self.registry.stages = build_stages(config, self.store, self.admission.keys)
         self._server: Server | None = None
         self._engine_task: asyncio.Task[None] | None = None
         self.draining = False

@@ -18,6 +18,10 @@ Per client secret (an `ek_` key minted at /v1/realtime/client_secrets):
 - `tw:ek:{sha256 of the key}`, the minting key id, expiry and session
   settings, with the secret's TTL as Redis expiry. The key itself is never stored.
 
+Per response cache entry (stages.cache, `--response-cache`):
+- `tw:rc:{sha256 of model, prompt, sampling params, tools, tenant}`, the
+  generation's deltas (msgpack), with the cache's TTL as Redis expiry.
+
 Per instance:
 - `tw:inst:{iid}`, a lease kept alive by a heartbeat. Once it is gone the
   owner is dead (or drained) and another instance may take its sessions over.
@@ -57,7 +61,8 @@ return 0
 
 
 def _key(*parts: str) -> str:
-    """tw:{sid}:log|state|meta, tw:inst:{iid}, tw:inst:{iid}:inbox, tw:ek:{digest}."""
+    """tw:{sid}:log|state|meta, tw:inst:{iid}, tw:inst:{iid}:inbox, tw:ek:{digest},
+    tw:rc:{digest}."""
     return ":".join(("tw", *parts))
 
 
@@ -272,6 +277,14 @@ class RedisStore:
     async def secret(self, digest: str) -> list[Any] | None:
         raw = await self.redis.get(_key("ek", digest))
         return None if raw is None else unpack(raw)
+
+    # -- response cache -------------------------------------------------------------
+
+    async def put_response(self, digest: str, data: bytes, ttl_s: float) -> None:
+        await self.redis.set(_key("rc", digest), data, px=max(int(ttl_s * 1000), 1))
+
+    async def response(self, digest: str) -> bytes | None:
+        return await self.redis.get(_key("rc", digest))
 
 
 def _entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:

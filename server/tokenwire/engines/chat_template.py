@@ -1,0 +1,71 @@
+"""A chat rendered to token ids through the tokenizer's chat template.
+
+Shared by the in-process vLLM engine and the remote engine: both send token
+ids, so both must render a conversation exactly the same way (the remote
+engine checks its rendering against the server's `/tokenize` at startup).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class ChatTemplate:
+    """Renders chat messages (with tools) through one tokenizer's template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Tool turns in the shape the chat template understands."""
+        if "tool_calls" in (self.tokenizer.chat_template or ""):
+            # HF templates take a call's arguments as a mapping.
+            return [
+                {**m, "tool_calls": [_with_parsed_arguments(c) for c in m["tool_calls"]]}
+                if m.get("tool_calls")
+                else m
+                for m in messages
+            ]
+        # No tool support in the template (SmolLM2's ChatML). Measured on
+        # SmolLM2: written-out calls make it imitate JSON instead of answering,
+        # while a plain "Result of NAME: ..." user turn gets a grounded answer.
+        names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())}
+        out = []
+        for m in messages:
+            if m.get("tool_calls"):
+                if m["content"]:
+                    out.append({"role": "assistant", "content": m["content"]})
+            elif m["role"] == "tool":
+                name = names.get(m["tool_call_id"], "the tool")
+                out.append({"role": "user", "content": f"Result of {name}: {m['content']}"})
+            else:
+                out.append(m)
+        return out
+
+    def text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return str(
+            self.tokenizer.apply_chat_template(
+                self.template_messages(messages),
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        )
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of the chat, ready for generation (generation prompt added)."""
+        return list(self.tokenizer.encode(self.text(messages, tools), add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids))
+
+
+def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except ValueError:
+        arguments = call["function"]["arguments"]
+    return {**call, "function": {**call["function"], "arguments": arguments}}

@@ -1,0 +1,175 @@
+"""The HTTP side of the remote engine: vLLM's two token-id endpoints.
+
+- `POST /inference/v1/generate` (`vllm serve --enable-scale-out`): token ids
+  in, text and token ids out, abortable by id through
+  `/inference/v1/abort_requests`.
+- `POST /v1/completions` with `prompt: [ids]` and `return_token_ids`: works
+  on every vLLM server and router; closing the stream aborts the request.
+
+Both stream SSE chunks of the same shape (`choices[0]` with `text`,
+`token_ids`, `finish_reason`; a last chunk with `usage`), so one parser reads
+both. Measured on vLLM 0.32: usage (with `prompt_tokens_details.cached_tokens`
+only under `--enable-prompt-tokens-details`) arrives in a chunk of its own
+after the finishing one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from .base import ContextLengthExceeded, EngineError, EngineUnavailable, RequestError
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+COMPLETIONS_PATH = "/v1/completions"
+# vLLM prefixes the id it is given on /inference/v1/generate with this.
+GENERATE_ID_PREFIX = "generate-tokens-"
+
+
+class ReplicaFailed(EngineUnavailable):
+    """This server failed the attempt (down, 5xx, garbage, stalled); another
+    replica may serve the same request."""
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What one SSE chunk carried for choice 0."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    cached_tokens: int | None = None  # from a usage chunk
+    usage: bool = False
+
+
+def sampling(
+    *,
+    temperature: float,
+    max_tokens: int,
+    ignore_eos: bool,
+    skip_special_tokens: bool,
+    schema: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """vLLM sampling parameters, as both endpoints name them."""
+    params: dict[str, Any] = {
+        "temperature": temperature,
+        "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos,
+        "skip_special_tokens": skip_special_tokens,
+    }
+    if schema is not None:
+        # `structured_outputs`, not `guided_json`: vLLM 0.32 ignores the latter.
+        params["structured_outputs"] = {"json": schema}
+    return params
+
+
+def generate_body(
+    request_id: str,
+    ids: list[int],
+    params: dict[str, Any],
+    priority: int,
+    cache_salt: str | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "request_id": request_id,
+        "token_ids": ids,
+        "sampling_params": params,
+        "output_mode": "text",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if priority:
+        body["priority"] = priority
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    return body
+
+
+def completions_body(
+    model: str,
+    ids: list[int],
+    params: dict[str, Any],
+    priority: int,
+    cache_salt: str | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": ids,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+        **params,
+    }
+    if priority:
+        body["priority"] = priority
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    return body
+
+
+def parse_chunk(data: str, url: str) -> Chunk:
+    """One SSE `data:` payload. Garbage or an error chunk fails the attempt."""
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        raise ReplicaFailed(f"{url} sent a chunk that is not JSON: {data[:200]!r}") from None
+    if not isinstance(payload, dict):
+        raise ReplicaFailed(f"{url} sent an unexpected chunk: {data[:200]!r}")
+    if "error" in payload:  # vLLM reports errors raised mid-stream this way
+        error = payload["error"] if isinstance(payload["error"], dict) else {}
+        raise error_for(int(error.get("code") or 500), json.dumps(payload), url)
+    chunk = Chunk()
+    usage = payload.get("usage")
+    choices = payload.get("choices") or []
+    if usage and not choices:
+        chunk.usage = True
+        details = usage.get("prompt_tokens_details") or {}
+        chunk.cached_tokens = details.get("cached_tokens")
+        return chunk
+    if not choices:
+        return chunk
+    choice = choices[0]
+    chunk.text = choice.get("text") or ""
+    chunk.token_ids = tuple(choice.get("token_ids") or ())
+    chunk.finish_reason = choice.get("finish_reason")
+    return chunk
+
+
+async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The `data:` payloads of an SSE stream, up to `[DONE]`."""
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, keep-alives
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield data
+
+
+def message_of(body: str) -> str:
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body[:500]
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        for key in ("message", "detail"):
+            if payload.get(key):
+                return str(payload[key])
+    return body[:500]
+
+
+def error_for(status: int, body: str, url: str) -> EngineError:
+    """An HTTP error: the server's fault (another replica may do) or the request's."""
+    message = message_of(body)
+    if status >= 500 or status in (408, 429):
+        return ReplicaFailed(f"{url} answered {status}: {message}")
+    lowered = message.lower()
+    if "context length" in lowered or "max_model_len" in lowered or "too long" in lowered:
+        return ContextLengthExceeded(f"the server refused the prompt: {message}")
+    return RequestError(f"the server refused the request ({status}): {message}")

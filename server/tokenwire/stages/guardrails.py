@@ -1,0 +1,294 @@
+"""Streaming guardrails: a stage that holds back the newest text until every
+filter has cleared it (stages/filters.py has the filters).
+
+The window. Deltas are held, whole, until at least `lookahead` characters
+follow them and the release point falls between two words; so a phrase split
+over deltas is still seen whole, and nothing a filter will block has been
+sent. Whole deltas keep text, `output_tokens` and `token_ids` together: a
+paused generation resumes after exactly the tokens whose text was delivered.
+A redaction merges the held deltas into one (its text rewritten). At the
+generation's end (a finish reason) everything held is checked as final and
+released. Tool-call deltas are not checked: the text before one is checked
+as final and released, then the call passes through.
+
+A block closes the engine's stream at once (the request is cancelled) and
+ends the generation with `content_filter`; if the filter said where the
+blocked text starts, the text before it is checked again and delivered.
+
+Policy is the server's: `--guardrail` is the set every tenant gets, and an
+API key's `guardrails=NAME` picks `--guardrail-set NAME=SPEC` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+from .. import metrics
+from ..config import ServerConfig
+from ..core.stages import CONTENT_FILTER, Source, StageContext
+from ..engines.base import EngineDelta, GenerationRequest
+from ..logs import get_logger
+from .filters import ALLOW, Block, Filter, GuardrailError, Redact, Verdict, load_filter
+
+log = get_logger("tokenwire.guardrails")
+
+NO_GUARDRAILS = "none"  # `guardrails=none` on a key: the operator exempts it
+
+
+class GuardrailPolicy:
+    """How filters run: the timeout of an async check, and what its failure means."""
+
+    def __init__(self, timeout_s: float, fail_closed: bool) -> None:
+        self.timeout_s = timeout_s
+        self.fail_closed = fail_closed
+
+    async def run(
+        self, filters: Sequence[Filter], window: str, final: bool
+    ) -> tuple[str, Block | None]:
+        """The window after every filter's redactions, and the first block."""
+        text = window
+        for f in filters:
+            try:
+                verdict = f.check(text, final)
+                if inspect.isawaitable(verdict):
+                    verdict = await asyncio.wait_for(verdict, self.timeout_s)
+            except TimeoutError as exc:
+                verdict = self._failed(f, "timeout", exc)
+            except Exception as exc:  # a classifier that is down: the same policy
+                verdict = self._failed(f, "error", exc)
+            if isinstance(verdict, Block):
+                metrics.GUARDRAIL_BLOCKS.labels(f.name).inc()
+                return text, verdict
+            if isinstance(verdict, Redact):
+                metrics.GUARDRAIL_REDACTIONS.labels(f.name).inc()
+                text = verdict.text
+        return text, None
+
+    def _failed(self, f: Filter, kind: str, exc: BaseException) -> Verdict:
+        metrics.GUARDRAIL_FAILURES.labels(f.name, kind).inc()
+        log.warning("guardrail_failed", filter=f.name, kind=kind, error=type(exc).__name__)
+        return Block(f"{f.name}: {kind}") if self.fail_closed else ALLOW
+
+
+def _merge(held: list[EngineDelta], text: str, finish: str | None = None) -> EngineDelta:
+    """One delta for several held ones: their tokens and usage, this text."""
+    first = held[0]
+    if len(held) == 1:
+        first.text, first.finish_reason = text, finish
+        return first
+    ids: list[int] | None = None
+    prompt = cached = wait = None
+    for d in held:
+        if d.token_ids:
+            ids = (ids or []) + d.token_ids
+        if d.prompt_tokens is not None:  # consumers add up wherever it is set
+            prompt = (prompt or 0) + d.prompt_tokens
+            cached = (cached or 0) + (d.cached_tokens or 0)
+        if d.queue_wait_s is not None:
+            wait = (wait or 0.0) + d.queue_wait_s
+    return EngineDelta(
+        text,
+        sum(d.output_tokens for d in held),
+        finish,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        token_ids=ids,
+        queue_wait_s=wait,
+        cached_response=any(d.cached_response for d in held),
+    )
+
+
+class Window:
+    """The held deltas of one generation and where they may be cut."""
+
+    def __init__(self, lookahead: int) -> None:
+        self.lookahead = lookahead
+        self.held: list[EngineDelta] = []
+        self.text = ""
+
+    def add(self, delta: EngineDelta) -> None:
+        self.held.append(delta)
+        self.text += delta.text
+
+    def rewrite(self, text: str) -> None:
+        """A redaction: the held deltas become one, with the new text."""
+        if text != self.text:
+            self.held = [_merge(self.held, text)]
+            self.text = text
+
+    def releasable(self) -> EngineDelta | None:
+        """The longest run of whole deltas that leaves `lookahead` characters
+        held and ends between two words; None if there is none."""
+        text, limit = self.text, len(self.text) - self.lookahead
+        end = cut = 0
+        for i, d in enumerate(self.held):
+            end += len(d.text)
+            if end > limit:
+                break
+            if end < len(text) and (text[end].isspace() or text[end - 1].isspace()):
+                cut = i + 1
+        if not cut:
+            return None
+        out = self.held[:cut]
+        size = sum(len(d.text) for d in out)
+        released = _merge(out, text[:size])
+        del self.held[:cut]
+        self.text = text[size:]
+        return released
+
+    def take_all(self, finish: str | None) -> EngineDelta | None:
+        if not self.held:
+            return EngineDelta("", 0, finish) if finish is not None else None
+        out, self.held = _merge(self.held, self.text, finish), []
+        self.text = ""
+        return out
+
+
+class GuardrailStage:
+    """The stage (core.stages.Stage). Sessions of a tenant whose set is empty
+    get the engine's stream as it is."""
+
+    name = "guardrails"
+
+    def __init__(
+        self,
+        default: Sequence[Filter],
+        sets: dict[str, Sequence[Filter]],
+        policy: GuardrailPolicy,
+        lookahead_chars: int,
+        set_of: Callable[[str], str | None] = lambda tenant: None,
+    ) -> None:
+        self.default = tuple(default)
+        self.sets = {name: tuple(fs) for name, fs in sets.items()}
+        self.sets[NO_GUARDRAILS] = ()
+        self.policy = policy
+        self.lookahead_chars = lookahead_chars
+        self.set_of = set_of
+
+    def filters_for(self, tenant: str) -> tuple[Filter, ...]:
+        name = self.set_of(tenant)
+        return self.default if name is None else self.sets[name]
+
+    def session_info(self, tenant: str) -> dict[str, Any]:
+        return {"guardrails": [f.name for f in self.filters_for(tenant)]}
+
+    def stream(
+        self, request: GenerationRequest, context: StageContext, source: Source
+    ) -> AsyncIterator[EngineDelta]:
+        filters = self.filters_for(context.tenant)
+        if not filters:
+            return source(request)  # no window, no added latency
+        # The flag, or more if a filter needs it (a long blocklist phrase).
+        lookahead = max(self.lookahead_chars, *(getattr(f, "lookahead", 0) for f in filters))
+        return self._guard(request, context, source, filters, Window(lookahead))
+
+    async def _guard(
+        self,
+        request: GenerationRequest,
+        context: StageContext,
+        source: Source,
+        filters: tuple[Filter, ...],
+        window: Window,
+    ) -> AsyncIterator[EngineDelta]:
+        upstream = source(request)
+        try:
+            async for delta in upstream:
+                calls = delta.tool_calls
+                finish = delta.finish_reason
+                if calls:  # checked text first, then the call, unchecked
+                    delta.tool_calls, delta.finish_reason = None, None
+                window.add(delta)
+                if not delta.text and not calls and finish is None:
+                    continue
+                final = finish is not None or bool(calls)
+                text, block = await self.policy.run(filters, window.text, final)
+                if block is not None:
+                    async for out in self._blocked(filters, window, text, block, context):
+                        yield out
+                    return
+                window.rewrite(text)
+                if final:
+                    out = window.take_all(None if calls else finish)
+                    if out is not None:
+                        yield out
+                    if calls:
+                        yield EngineDelta("", 0, finish, tool_calls=calls)
+                    if finish is not None:
+                        return
+                    continue
+                out = window.releasable()
+                if out is not None:
+                    yield out
+        finally:
+            # However this ends (a block, a cancel, the client gone): the engine stops now.
+            await upstream.aclose()  # type: ignore[attr-defined]
+
+    async def _blocked(
+        self,
+        filters: tuple[Filter, ...],
+        window: Window,
+        text: str,
+        block: Block | None,
+        context: StageContext,
+    ) -> AsyncIterator[EngineDelta]:
+        log.info(
+            "guardrail_block",
+            session_id=context.session_id,
+            response_id=context.response_id,
+            reason=block.reason if block else None,
+        )
+        # The text before the blocked part, checked again as final, may go.
+        while block is not None and block.at:
+            text, block = await self.policy.run(filters, text[: block.at], True)
+        if block is None and text:
+            window.rewrite(text)  # only usage matters now: the generation ends here
+            out = window.take_all(None)
+            if out is not None:
+                yield out
+        yield EngineDelta("", 0, CONTENT_FILTER)
+
+
+class KeyGuardrails(Protocol):
+    """What the API keys say about guardrails (server.admission.KeyStore)."""
+
+    def guardrail_set(self, kid: str) -> str | None: ...
+
+    @property
+    def guardrail_sets(self) -> set[str]: ...
+
+
+def build_guardrails(config: ServerConfig, keys: KeyGuardrails | None) -> GuardrailStage | None:
+    """The stage for --guardrail and --guardrail-set; None when no filter is
+    configured anywhere (then no stage: no added latency). Raises
+    GuardrailError for a filter that cannot load or a key naming no set."""
+    sets: dict[str, list[Filter]] = {}
+    for spec in config.guardrail_set:
+        name, sep, filter_spec = spec.partition("=")
+        if not sep or not name or not filter_spec:
+            raise GuardrailError(f"--guardrail-set {spec!r}: expected NAME=FILTER[:ARG]")
+        if name == NO_GUARDRAILS:
+            raise GuardrailError(f"--guardrail-set: {NO_GUARDRAILS!r} is reserved (no filters)")
+        sets.setdefault(name, []).append(load_filter(filter_spec))
+    default = [load_filter(spec) for spec in config.guardrail]
+    named = keys.guardrail_sets if keys is not None else set()
+    unknown = named - set(sets) - {NO_GUARDRAILS}
+    if unknown:
+        raise GuardrailError(
+            f"API keys name guardrail sets that no --guardrail-set defines: {sorted(unknown)}"
+        )
+    if not default and not sets:
+        return None
+    if config.guardrail_on_timeout not in ("open", "closed"):
+        raise GuardrailError("--guardrail-on-timeout must be open or closed")
+    closed = config.guardrail_on_timeout == "closed"
+    policy = GuardrailPolicy(config.guardrail_timeout_ms / 1000, closed)
+    return GuardrailStage(
+        default,
+        sets,
+        policy,
+        config.guardrail_lookahead_chars,
+        keys.guardrail_set if keys is not None else lambda tenant: None,
+    )

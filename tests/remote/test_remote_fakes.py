@@ -1,0 +1,354 @@
+"""The remote engine against stand-in servers (httpx.MockTransport): what a
+real vLLM cannot be made to do on demand. Garbage or an error mid-stream,
+5xx answers, the endpoint fallback, what each request carries. The real
+tokenizer (the bundled SmolLM2) renders the prompts; no model runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+from transformers import AutoTokenizer
+
+from tokenwire.config import ServerConfig
+from tokenwire.engines.base import (
+    ContextLengthExceeded,
+    EngineDelta,
+    EngineUnavailable,
+    GenerationRequest,
+    RequestError,
+)
+from tokenwire.engines.chat_template import ChatTemplate
+from tokenwire.engines.remote import RemoteEngine, replica_order
+from tokenwire.engines.remote_http import ReplicaFailed, error_for, parse_chunk
+from tokenwire.models import resolve_model
+
+from ..conftest import free_port
+
+MODEL = str(resolve_model(None))
+TEMPLATE = ChatTemplate(AutoTokenizer.from_pretrained(MODEL))
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def sse(*chunks: dict | str) -> bytes:
+    lines = [f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n" for c in chunks]
+    return "".join([*lines, "data: [DONE]\n\n"]).encode()
+
+
+def token(text: str, tid: int, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "token_ids": [tid], "finish_reason": finish}]}
+
+
+def usage(cached: int | None) -> dict:
+    details = None if cached is None else {"cached_tokens": cached}
+    return {"choices": [], "usage": {"prompt_tokens": 9, "prompt_tokens_details": details}}
+
+
+@dataclass
+class Fake:
+    """One stand-in vLLM server: startup routes answer as vLLM's do; `stream`
+    answers generation requests."""
+
+    url: str
+    stream: Callable[[dict], httpx.Response]
+    generate_endpoint: bool = True
+    bodies: list[dict] = field(default_factory=list)
+    headers: list[httpx.Headers] = field(default_factory=list)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": MODEL, "max_model_len": 2048}]})
+        body = json.loads(request.content)
+        if path == "/tokenize":
+            return httpx.Response(200, json={"tokens": TEMPLATE.render(body["messages"])})
+        if path == "/inference/v1/generate" and not self.generate_endpoint:
+            return httpx.Response(403)
+        if not body.get("stream"):  # the startup probe
+            return httpx.Response(200, json={"usage": {"prompt_tokens_details": {}}})
+        self.bodies.append(body)
+        self.headers.append(request.headers)
+        return self.stream(body)
+
+
+async def started(*fakes: Fake, **config: Any) -> RemoteEngine:
+    by_host = {httpx.URL(f.url).netloc: f for f in fakes}
+    transport = httpx.MockTransport(lambda r: by_host[r.url.netloc].handle(r))
+    engine = RemoteEngine(
+        ServerConfig(engine="remote", remote_url=tuple(f.url for f in fakes), **config),
+        transport=transport,
+    )
+    await engine.start()
+    return engine
+
+
+def failures(url: str) -> float:
+    return REGISTRY.get_sample_value("tokenwire_remote_failures_total", {"replica": url}) or 0.0
+
+
+def ask(**kw: Any) -> GenerationRequest:
+    fields: dict[str, Any] = {"temperature": 0.0, "max_output_tokens": 10, **kw}
+    return GenerationRequest(
+        request_id="r1", messages=[{"role": "user", "content": "Hi"}], **fields
+    )
+
+
+async def run(engine: RemoteEngine, req: GenerationRequest) -> list[EngineDelta]:
+    try:
+        return [d async for d in engine.generate(req)]
+    finally:
+        await engine.close()
+
+
+async def test_a_replica_sending_garbage_hands_over_with_the_ids_so_far() -> None:
+    a = Fake(
+        "http://a:1",
+        lambda b: httpx.Response(
+            200, content=sse(token("Hel", 11), token("lo", 12), "this is not json")
+        ),
+    )
+    b = Fake(
+        "http://b:1",
+        lambda b: httpx.Response(
+            200, content=sse(token(" there", 13), token("!", 14, "stop"), usage(128))
+        ),
+    )
+    engine = await started(a, b)
+    failed_before = failures("http://a:1"), failures("http://b:1")
+    deltas = await run(engine, ask(session_id=None))  # no session: replica order as given
+    assert (failures("http://a:1"), failures("http://b:1")) == (
+        failed_before[0] + 1,
+        failed_before[1],
+    )
+    assert REGISTRY.get_sample_value("tokenwire_remote_up", {"replica": "http://a:1"}) == 0.0
+    assert REGISTRY.get_sample_value("tokenwire_remote_up", {"replica": "http://b:1"}) == 1.0
+    assert "".join(d.text for d in deltas) == "Hello there!"
+    assert [t for d in deltas for t in d.token_ids or ()] == [11, 12, 13, 14]
+    prompt = TEMPLATE.render([{"role": "user", "content": "Hi"}])
+    assert a.bodies[0]["token_ids"] == prompt
+    # b continued after what a produced, with what was left of the budget.
+    assert b.bodies[0]["token_ids"] == [*prompt, 11, 12]
+    assert b.bodies[0]["sampling_params"]["max_tokens"] == 8
+    assert b.bodies[0]["request_id"] == "r1-retry1"
+    assert engine.replicas[0].failures == 1 and not engine.replicas[0].up
+    # Usage: the prompt once, on the first delta; the cached count at the end.
+    assert deltas[0].prompt_tokens == len(prompt)
+    assert [d.prompt_tokens for d in deltas[1:]] == [None, None, 0]
+    assert deltas[-1].cached_tokens == 128 and deltas[-1].finish_reason == "stop"
+
+
+async def test_an_error_about_the_request_does_not_fail_over() -> None:
+    error = {"error": {"message": "bad logits", "type": "BadRequestError", "code": 400}}
+    a = Fake("http://a:1", lambda b: httpx.Response(200, content=sse(token("x", 1), error)))
+    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("y", 2, "stop"))))
+    engine = await started(a, b)
+    with pytest.raises(RequestError, match="bad logits"):
+        await run(engine, ask())
+    assert b.bodies == [] and engine.replicas[0].up
+
+
+async def test_every_replica_failing_is_engine_unavailable() -> None:
+    down = lambda b: httpx.Response(503, json={"error": {"message": "overloaded"}})  # noqa: E731
+    engine = await started(Fake("http://a:1", down), Fake("http://b:1", down))
+    with pytest.raises(EngineUnavailable) as caught:
+        await run(engine, ask())
+    assert "http://a:1 answered 503: overloaded" in caught.value.message
+    assert "http://b:1 answered 503: overloaded" in caught.value.message
+
+
+async def test_a_context_error_is_the_requests_fault() -> None:
+    too_long = {"error": {"message": "This model's maximum context length is 2048 tokens"}}
+    a = Fake("http://a:1", lambda b: httpx.Response(400, json=too_long))
+    engine = await started(a)
+    with pytest.raises(ContextLengthExceeded):
+        await run(engine, ask())
+    assert engine.replicas[0].up
+
+
+async def test_a_stream_that_ends_unfinished_fails_over() -> None:
+    a = Fake(
+        "http://a:1",
+        lambda b: httpx.Response(
+            200, content=b"data: " + json.dumps(token("A", 1)).encode() + b"\n\n"
+        ),
+    )  # no finish, no [DONE]: the server died
+    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("B", 2, "length"))))
+    engine = await started(a, b)
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "AB"
+    assert b.bodies[0]["token_ids"][-1] == 1
+
+
+async def test_requests_carry_session_priority_and_a_forced_tool_schema() -> None:
+    a = Fake(
+        "http://a:1",
+        lambda b: httpx.Response(
+            200, content=sse(token('{"city": ', 1), token('"Paris"}', 2, "stop"), usage(0))
+        ),
+    )
+    engine = await started(a, remote_session_header="X-Affinity")
+    deltas = await run(
+        engine,
+        ask(
+            session_id="sess-9",
+            priority=5,
+            cache_salt="tenant-1",
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"},
+        ),
+    )
+    body, headers = a.bodies[0], a.headers[0]
+    assert headers["X-Affinity"] == "sess-9" and "X-Session-ID" not in headers
+    assert body["priority"] == 5 and body["cache_salt"] == "tenant-1"
+    schema = body["sampling_params"]["structured_outputs"]["json"]
+    assert schema["type"] == "object" and "city" in schema["properties"]
+    calls = [c for d in deltas for c in d.tool_calls or ()]
+    assert calls[0].name == "get_weather"
+    assert json.loads("".join(c.arguments for c in calls)) == {"city": "Paris"}
+    assert not "".join(d.text for d in deltas)
+
+
+async def test_without_the_generate_endpoint_it_uses_completions() -> None:
+    a = Fake(
+        "http://a:1",
+        lambda b: httpx.Response(200, content=sse(token("ok", 7, "stop"), usage(None))),
+        generate_endpoint=False,
+    )
+    engine = await started(a)
+    assert engine.replicas[0].generate_endpoint is False
+    deltas = await run(engine, ask())
+    body = a.bodies[0]
+    assert body["prompt"] == TEMPLATE.render([{"role": "user", "content": "Hi"}])
+    assert body["model"] == MODEL and body["return_token_ids"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 10
+    assert "priority" not in body and "cache_salt" not in body  # vLLM's defaults: not sent
+    # No --enable-prompt-tokens-details: the cached count is unknown, not 0.
+    assert deltas[-1].cached_tokens is None
+
+
+def test_chunks_and_errors_are_classified() -> None:
+    with pytest.raises(ReplicaFailed):
+        parse_chunk("{not json", "http://x")
+    assert parse_chunk(json.dumps(usage(64)), "http://x").cached_tokens == 64
+    assert isinstance(error_for(502, "", "http://x"), ReplicaFailed)
+    assert isinstance(error_for(429, "", "http://x"), EngineUnavailable)
+    assert type(error_for(400, '{"error": {"message": "no"}}', "http://x")) is RequestError
+
+
+def test_sessions_keep_their_replica() -> None:
+    from tokenwire.engines.remote import Replica
+
+    replicas = [Replica(f"http://r{i}") for i in range(3)]
+    firsts = {replica_order(replicas, f"s{i}")[0].url for i in range(30)}
+    assert firsts == {r.url for r in replicas}  # spread over all of them
+    assert all(replica_order(replicas, "s7")[0] is replica_order(replicas, "s7")[0] for _ in "ab")
+    pinned = replica_order(replicas, "s7")[0]
+    pinned.down_until = float("inf")
+    assert replica_order(replicas, "s7")[-1] is pinned  # down: tried last
+
+
+async def test_an_unreachable_server_is_unavailable_and_named() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    engine = RemoteEngine(ServerConfig(engine="remote", remote_url=(url,)))
+    with pytest.raises(EngineUnavailable, match=f"cannot reach {url}"):
+        await engine.start()
+    assert not engine.ready and engine.failure
+    with pytest.raises(EngineUnavailable):
+        await run(engine, ask())
+
+
+def test_serve_refuses_an_unreachable_server_with_code_2() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenwire", "serve", "--engine", "remote", "--remote-url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert f"error: --engine remote: cannot reach {url}" in done.stderr
+    assert "Traceback" not in done.stderr
+    orphan = subprocess.run(
+        [sys.executable, "-m", "tokenwire", "serve", "--engine", "scripted", "--remote-url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert orphan.returncode == 2 and "--remote-url needs --engine remote" in orphan.stderr
+
+
+async def test_no_first_token_in_time_goes_to_the_next_replica() -> None:
+    async def silent() -> AsyncIterator[bytes]:
+        await asyncio.sleep(30)  # queued forever, as an overloaded server would
+        yield b""
+
+    a = Fake("http://a:1", lambda b: httpx.Response(200, content=silent()))
+    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("hi", 5, "stop"))))
+    engine = await started(a, b, remote_ttft_timeout_s=0.3)
+    t0 = time.monotonic()
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "hi"
+    assert 0.3 <= time.monotonic() - t0 < 3.0
+    assert engine.replicas[0].failures == 1 and len(b.bodies) == 1
+    assert b.bodies[0]["token_ids"] == a.bodies[0]["token_ids"]
+
+
+async def test_one_replica_waits_for_its_first_token() -> None:
+    async def slow() -> AsyncIterator[bytes]:
+        await asyncio.sleep(0.5)
+        yield sse(token("late", 5, "stop"))
+
+    a = Fake("http://a:1", lambda b: httpx.Response(200, content=slow()))
+    engine = await started(a, remote_ttft_timeout_s=0.1)  # nowhere else to go: no limit
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "late"
+
+
+def test_several_urls_from_flags_or_the_environment() -> None:
+    first, second = (f"http://127.0.0.1:{free_port()}" for _ in "ab")
+    serve = [sys.executable, "-m", "tokenwire", "serve", "--engine", "remote"]
+    by_flags = subprocess.run(
+        [*serve, "--remote-url", first, "--remote-url", second],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    by_env = subprocess.run(
+        serve,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TOKENWIRE_REMOTE_URL": f"{first}, {second}"},
+    )
+    for done in (by_flags, by_env):
+        assert done.returncode == 2
+        assert f"cannot reach {first}" in done.stderr  # the first one is probed first
+    none = subprocess.run(serve, capture_output=True, text=True, timeout=60)
+    assert none.returncode == 2 and "needs at least one --remote-url" in none.stderr
+
+
+async def test_a_stream_broken_after_its_last_token_is_not_resubmitted() -> None:
+    broken = sse(token("done", 3, "stop"), "garbage where the usage should be")
+    a = Fake("http://a:1", lambda b: httpx.Response(200, content=broken))
+    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("more", 4, "stop"))))
+    engine = await started(a, b)
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "done"
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].cached_tokens is None
+    assert b.bodies == []  # finished: going on elsewhere would run past its end

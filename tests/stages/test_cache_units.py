@@ -1,0 +1,162 @@
+"""The response cache's parts without a server: the key, what may be cached
+and stored, the stored form, and the in-memory LRU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from prometheus_client import REGISTRY
+
+from tokenwire.core.stages import StageContext
+from tokenwire.engines.base import EngineDelta, GenerationRequest, ToolCallDelta
+from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.stages.cache import (
+    ResponseCache,
+    cache_key,
+    cacheable,
+    decode_entry,
+    encode_entry,
+    storable,
+)
+from tokenwire.stages.cache_store import MemoryStore
+
+from ..helpers.wait import until
+
+BASE = GenerationRequest(
+    request_id="resp_1-1",
+    messages=[{"role": "user", "content": "hello"}],
+    max_output_tokens=64,
+    temperature=0.0,
+)
+CONTEXT = StageContext("tenant-a", "sess_1", "resp_1")
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+def metric(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"messages": [{"role": "user", "content": "hello!"}]},
+        {"rendered": (1, 2, 3)},
+        {"temperature": 0.5},
+        {"max_output_tokens": 65},
+        {"ignore_eos": True},
+        {"tools": [TOOL]},
+        {"tool_choice": "required"},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_each_component_changes_the_key(changed: dict) -> None:
+    assert cache_key("m", dataclasses.replace(BASE, **changed), "t") != cache_key("m", BASE, "t")
+
+
+def test_the_model_and_the_tenant_change_the_key() -> None:
+    assert cache_key("m", BASE, "t") != cache_key("m2", BASE, "t")
+    assert cache_key("m", BASE, "t") != cache_key("m", BASE, "t2")
+
+
+def test_the_rendered_prompt_decides_when_present() -> None:
+    rendered = dataclasses.replace(BASE, rendered=(5, 6))
+    other_chat = dataclasses.replace(rendered, messages=[{"role": "user", "content": "x"}])
+    assert cache_key("m", rendered, "t") == cache_key("m", other_chat, "t")
+    assert cache_key("m", rendered, "t") != cache_key(
+        "m", dataclasses.replace(BASE, rendered=(5, 7)), "t"
+    )
+
+
+def test_ids_priority_and_session_leave_the_key_alone() -> None:
+    other = dataclasses.replace(BASE, request_id="resp_9-1", priority=5, session_id="sess_9")
+    assert cache_key("m", other, "t") == cache_key("m", BASE, "t")
+
+
+def test_only_fresh_deterministic_first_generations_are_cacheable() -> None:
+    assert cacheable(BASE, CONTEXT)
+    assert not cacheable(dataclasses.replace(BASE, temperature=0.7), CONTEXT)
+    assert not cacheable(dataclasses.replace(BASE, cache=False), CONTEXT)
+    assert not cacheable(dataclasses.replace(BASE, resume_token_ids=(1,)), CONTEXT)
+    assert not cacheable(dataclasses.replace(BASE, request_id="resp_1-2"), CONTEXT)  # a steer
+
+
+def test_only_a_stop_without_tool_calls_is_stored() -> None:
+    assert storable([EngineDelta("a", 1), EngineDelta("b", 1, "stop")])
+    assert not storable([EngineDelta("a", 1), EngineDelta("b", 1, "length")])
+    assert not storable([EngineDelta("a", 1)])  # closed early
+    assert not storable([])
+    call = EngineDelta("", 1, tool_calls=[ToolCallDelta(0, "f", "{}")])
+    assert not storable([call, EngineDelta("", 1, "stop")])
+
+
+def test_an_entry_streams_back_in_chunks_with_its_usage() -> None:
+    recorded = [EngineDelta(f" w{i}", 1, token_ids=[i]) for i in range(40)]
+    recorded[0].prompt_tokens, recorded[0].cached_tokens = 12, 4
+    recorded[-1].finish_reason = "stop"
+    replayed = decode_entry(encode_entry(recorded))
+    assert len(replayed) == 3  # 16 + 16 + 8 recorded deltas
+    assert "".join(d.text for d in replayed) == "".join(d.text for d in recorded)
+    assert [t for d in replayed for t in d.token_ids or ()] == list(range(40))
+    assert sum(d.output_tokens for d in replayed) == 40
+    assert replayed[0].prompt_tokens == 12 and replayed[0].cached_response
+    assert [d.finish_reason for d in replayed] == [None, None, "stop"]
+    assert not any(d.cached_response for d in replayed[1:])
+
+
+async def test_the_memory_lru_evicts_the_least_recently_used_past_its_cap() -> None:
+    now = [0.0]
+    store = MemoryStore(max_bytes=800, ttl_s=10, clock=lambda: now[0])
+    evictions = metric("tokenwire_response_cache_evictions_total")
+    for name in "abcd":
+        assert await store.put(name, name.encode() * 100)  # the entry cap is 800 // 8
+    assert not await store.put("big", b"x" * 101)
+    assert await store.get("a") == b"a" * 100  # now the most recently used
+    for name in "efgh":
+        await store.put(name, name.encode() * 100)
+    assert store.bytes == 800 and metric("tokenwire_response_cache_evictions_total") == evictions
+    await store.put("i", b"i" * 100)  # one over: b goes, a was used since
+    assert await store.get("b") is None and await store.get("a") is not None
+    assert metric("tokenwire_response_cache_evictions_total") == evictions + 1
+    assert metric("tokenwire_response_cache_memory_bytes") == 800
+
+
+async def test_memory_entries_expire() -> None:
+    now = [0.0]
+    store = MemoryStore(max_bytes=800, ttl_s=10, clock=lambda: now[0])
+    await store.put("a", b"a")
+    now[0] = 9.9
+    assert await store.get("a") == b"a"
+    now[0] = 10.0
+    assert await store.get("a") is None and store.bytes == 0
+
+
+class Broken:
+    """A backend whose every call fails, as Redis down would."""
+
+    max_entry_bytes = 1 << 20
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def get(self, digest: str) -> bytes | None:
+        self.calls += 1
+        raise ConnectionError("down")
+
+    async def put(self, digest: str, data: bytes) -> bool:
+        self.calls += 1
+        raise ConnectionError("down")
+
+
+async def test_a_failing_backend_is_a_miss_never_an_error() -> None:
+    backend = Broken()
+    cache = ResponseCache(backend, "m")
+    engine = ScriptedEngine()
+
+    async def run() -> str:
+        stream = cache.stream(BASE, CONTEXT, engine.generate)
+        return "".join([d.text async for d in stream])
+
+    assert await run() == "You said: hello"
+    await until(lambda: backend.calls == 2 and not cache.flights, "the write tried")
+    assert await run() == "You said: hello"

@@ -1,0 +1,212 @@
+"""Streaming guardrails (stages/guardrails.py, stages/filters.py): the window,
+the built-in filters, async checks with a timeout, and the server wiring (per-key
+sets, session.created, raw frames), on the scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect as ws_connect
+
+from tokenwire.client import connect
+from tokenwire.config import ServerConfig
+from tokenwire.core.stages import CONTENT_FILTER, StageContext
+from tokenwire.engines.base import EngineDelta, GenerationRequest, ToolCallDelta
+from tokenwire.server.admission import KeyStore
+from tokenwire.stages.filters import ALLOW, Blocklist, GuardrailError, Pii, Verdict
+from tokenwire.stages.guardrails import GuardrailPolicy, GuardrailStage, build_guardrails
+
+from ..conftest import _scripted_server
+from ..helpers.wait import until
+
+CONTEXT = StageContext("anonymous", "sess_1", "resp_1")
+REQUEST = GenerationRequest("req_1", [])
+
+
+class Source:
+    """An engine stream of given deltas; remembers whether it was closed."""
+
+    def __init__(self, pieces: Sequence[str], finish: str = "stop") -> None:
+        self.deltas = [
+            EngineDelta(p, 1, finish if i == len(pieces) - 1 else None, token_ids=[i])
+            for i, p in enumerate(pieces)
+        ]
+        self.closed = False
+        self.sent = 0
+
+    async def __call__(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
+        try:
+            for d in self.deltas:
+                self.sent += 1
+                yield d
+        finally:
+            self.closed = True
+
+
+def stage(*filters: object, lookahead: int = 32, closed: bool = True) -> GuardrailStage:
+    return GuardrailStage(filters, {}, GuardrailPolicy(0.05, closed), lookahead)  # type: ignore[arg-type]
+
+
+async def run(s: GuardrailStage, source: Source) -> list[EngineDelta]:
+    return [d async for d in s.stream(REQUEST, CONTEXT, source)]
+
+
+def words(text: str) -> list[str]:
+    """The scripted engine's tokens: a word with its leading space."""
+    first, *rest = text.split(" ")
+    return [first] + [" " + w for w in rest]
+
+
+def delivered(out: list[EngineDelta]) -> str:
+    return "".join(d.text for d in out)
+
+
+async def test_a_phrase_split_over_deltas_is_blocked_before_any_of_it_leaves() -> None:
+    source = Source(["The", " top", " sec", "ret", " plan", " is", " here"])
+    out = await run(stage(Blocklist(["top secret"]), lookahead=4), source)
+    assert out[-1].finish_reason == CONTENT_FILTER
+    assert delivered(out) == "The "  # the text before the phrase, nothing of it
+    assert source.closed and source.sent == 5  # the engine stopped right after " plan"
+
+
+async def test_words_match_whole_and_case_insensitively_regexes_as_written() -> None:
+    b = Blocklist(["# a comment", "", "Secret", r"re:\bcode-\d+"])
+    assert b.check("no secrets here", final=True) is ALLOW
+    assert b.check("a SECRET!", final=True) == b.check("a SECRET!", final=True)
+    assert b.check("a SECRET!", final=True).at == 2  # type: ignore[union-attr]
+    assert b.check("use code-42 now", final=True).at == 4  # type: ignore[union-attr]
+    # At the window's end a word may still grow ("secret" -> "secrets"): not yet.
+    assert b.check("the secret", final=False) is ALLOW
+    assert b.check("the secret", final=True) != ALLOW
+    with pytest.raises(GuardrailError):
+        Blocklist(["re:(unclosed"])
+
+
+async def test_a_catastrophic_regex_times_out_instead_of_stalling() -> None:
+    b = Blocklist([r"re:(a|aa)+$"])  # exponential backtracking on a run of a's
+    evil = "a" * 40 + "!"
+    # regex's timeout raises; the policy then applies (closed: block).
+    out = await run(stage(b, lookahead=4), Source(words(evil + " more text here")))
+    assert out[-1].finish_reason == CONTENT_FILTER
+
+
+async def test_pii_is_redacted_across_deltas_and_usage_stays_whole() -> None:
+    pieces = ["Mail", " bob", ".smith@", "exam", "ple.com", " or", " call", " +1", " 555",
+              " 123", " 4567", " today", " please", " ok"]  # fmt: skip
+    source = Source(pieces)
+    out = await run(stage(Pii()), source)
+    assert delivered(out) == "Mail [email] or call [phone] today please ok"
+    assert sum(d.output_tokens for d in out) == len(pieces)
+    assert [i for d in out for i in d.token_ids or []] == list(range(len(pieces)))
+    assert out[-1].finish_reason == "stop"
+
+
+async def test_releases_are_whole_deltas_cut_between_words() -> None:
+    pieces = words("one two three four five six seven eight nine ten eleven twelve")
+    out = await run(stage(Blocklist(["zebra"]), lookahead=10), Source(pieces))
+    assert delivered(out) == "".join(pieces)
+    for d in out:  # each released delta is exactly the text of its tokens
+        assert d.text == "".join(pieces[i] for i in d.token_ids or [])
+        assert d.output_tokens == len(d.token_ids or [])
+    assert len(out) > 2  # it streamed, holding back only the window
+
+
+async def test_tool_calls_pass_after_the_checked_text() -> None:
+    call = ToolCallDelta(0, "lookup", "{}")
+    source = Source(["Let", " me", " check"], finish="stop")
+    source.deltas[-1].tool_calls = [call]
+    out = await run(stage(Blocklist(["zebra"])), source)
+    assert delivered(out) == "Let me check"
+    assert out[-1].tool_calls == [call] and out[-1].finish_reason == "stop"
+
+
+class SlowClassifier:
+    """An async filter that answers too late."""
+
+    name = "classifier"
+    lookahead = 0
+
+    async def check(self, window: str, final: bool) -> Verdict:
+        await asyncio.sleep(1)
+        return ALLOW
+
+
+@pytest.mark.parametrize("closed", [True, False])
+async def test_an_async_filter_that_times_out_fails_open_or_closed(closed: bool) -> None:
+    source = Source(words("hello there my friend"))
+    out = await run(stage(SlowClassifier(), closed=closed, lookahead=4), source)
+    if closed:
+        assert out[-1].finish_reason == CONTENT_FILTER and delivered(out) == ""
+        assert source.closed
+    else:
+        assert delivered(out) == "hello there my friend" and out[-1].finish_reason == "stop"
+
+
+def test_build_guardrails_checks_sets_and_keys(tmp_path: Path) -> None:
+    words_file = tmp_path / "words.txt"
+    words_file.write_text("secret\n")
+    keys = KeyStore(["a guardrails=strict", "b guardrails=none", "c"])
+    config = ServerConfig(guardrail=("pii",), guardrail_set=(f"strict=blocklist:{words_file}",
+                                                            "strict=pii"))  # fmt: skip
+    built = build_guardrails(config, keys)
+    assert built is not None
+    from tokenwire.server.admission import key_id
+
+    assert built.session_info(key_id("a")) == {"guardrails": ["blocklist", "pii"]}
+    assert built.session_info(key_id("b")) == {"guardrails": []}
+    assert built.session_info(key_id("c")) == {"guardrails": ["pii"]}
+    assert build_guardrails(ServerConfig(), None) is None  # nothing configured: no stage
+    with pytest.raises(GuardrailError, match="no --guardrail-set defines"):
+        build_guardrails(ServerConfig(guardrail=("pii",)), KeyStore(["a guardrails=lax"]))
+    with pytest.raises(GuardrailError, match="unknown guardrail"):
+        build_guardrails(ServerConfig(guardrail=("nosuchfilter",)), None)
+    with pytest.raises(GuardrailError, match="blocklist"):
+        build_guardrails(ServerConfig(guardrail=(f"blocklist:{tmp_path / 'missing'}",)), None)
+
+
+async def test_the_server_redacts_blocks_and_tells_each_key_its_filters(tmp_path: Path) -> None:
+    words_file = tmp_path / "words.txt"
+    words_file.write_text("launch codes\n")
+    config = ServerConfig(
+        engine="scripted",
+        port=0,
+        scripted_tokens_per_s=1000.0,
+        api_keys="plain-key,strict-key guardrails=strict,free-key guardrails=none",
+        guardrail=("pii",),
+        guardrail_set=(f"strict=blocklist:{words_file}", "strict=pii"),
+    )
+    async with _scripted_server(config) as running:
+        async with await connect(running.url, api_key="plain-key") as tw:
+            assert tw.session["guardrails"] == ["pii"]
+            # The scripted engine says it back one word a token: the address is split.
+            answer = await tw.ask("write to ann.lee@example.org or 555-123-4567 today")
+            assert answer == "You said: write to [email] or [phone] today"
+        async with await connect(running.url, api_key="free-key") as tw:
+            assert tw.session["guardrails"] == []
+            assert "ann@example.org" in await tw.ask("ann@example.org")
+        # Raw frames, not the client's parsed text: nothing blocked was ever sent.
+        headers = {"Authorization": "Bearer strict-key"}
+        async with ws_connect(
+            running.url, subprotocols=["tokenwire.v1.json"], additional_headers=headers
+        ) as ws:
+            frames = [await ws.recv()]
+            assert json.loads(frames[0])["session"]["guardrails"] == ["blocklist", "pii"]
+            for event in (
+                {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                 "content": "the launch codes are 1234 and more words follow here"}},
+                {"type": "response.create"},
+            ):  # fmt: skip
+                await ws.send(json.dumps(event))
+            while '"response.done"' not in frames[-1]:
+                frames.append(await asyncio.wait_for(ws.recv(), 10))
+        done = json.loads(frames[-1])["response"]
+        assert done["status_details"] == {"type": "incomplete", "reason": CONTENT_FILTER}
+        assert done["output"][0]["content"] == "You said: the "
+        # (The user's own item echoes the words: only what the model said counts.)
+        said = [f for f in frames if json.loads(f)["type"].startswith("response.")]
+        assert said and not any("launch" in str(f) or "codes" in str(f) for f in said)
+        await until(lambda: running.server.engine.load().running == 0, "the engine freed")
