@@ -289,6 +289,20 @@ async def test_temperature_above_zero_bypasses(backend: dict[str, Any]) -> None:
         assert engine.generations == 2
 
 
+async def test_a_fixed_seed_takes_part_at_any_temperature(backend: dict[str, Any]) -> None:
+    text = words()
+    async with cache_server(**backend) as (server, engine):
+        async with await connect(server.url) as tw:
+            first = await ask(tw, text, temperature=1, seed=7)
+            assert "cached_response" not in (await first.done())["usage"]
+            again = await ask(tw, text, temperature=1, seed=7)
+            assert (await again.done())["usage"]["cached_response"] is True
+            assert await again.text() == await first.text()
+            other = await ask(tw, text, temperature=1, seed=8)  # another seed: another key
+            assert "cached_response" not in (await other.done())["usage"]
+        assert engine.generations == 2
+
+
 async def test_the_memory_cache_evicts_past_its_cap() -> None:
     evictions = metric("tokenwire_response_cache_evictions_total")
     first = words()

@@ -92,3 +92,21 @@ async def test_prompt_longer_than_context_is_refused_before_engine_work(
         assert info.value.error["event_id"] == "too-long"
         assert "2048" in info.value.error["message"]
         assert idle((await asyncio.to_thread(vllm_server.health))["engine_load"])
+
+
+async def test_a_seed_makes_sampling_reproducible(vllm_server: VllmServer) -> None:
+    """temperature 1 samples; the same seed samples the same answer, another
+    seed (almost surely, over 40 tokens) another one."""
+    story = [{"type": "message", "role": "user", "content": "Tell me a story about a cat."}]
+    async with await connect(vllm_server.url, protocol="json") as tw:
+
+        async def sample(seed: int) -> str:
+            response = await tw.create_response(
+                conversation="none", input=story, temperature=1.0, seed=seed,
+                max_output_tokens=40,
+            )  # fmt: skip
+            return await response.text()
+
+        first, again, other = await sample(1234), await sample(1234), await sample(99)
+        assert first and first == again
+        assert other != first

@@ -804,3 +804,10 @@ def test_a_random_walk_gives_only_valid_ga_frames(seed: int) -> None:
     _check_lifecycle(h.frames)
     kinds = set(types(h.frames))
     assert {"response.done", "response.output_text.delta", "response.output_item.done"} <= kinds
+
+
+def test_tokenwire_response_extensions_pass() -> None:
+    frame = {"type": "response.create", "response": {"seed": 7, "cache": False, "temperature": 1}}
+    parsed = OpenAIRealtime().parse(json.dumps(frame))
+    response = parse_client_event(parsed).response
+    assert (response.seed, response.cache, response.temperature) == (7, False, 1)

@@ -239,6 +239,7 @@ class Lifecycle:
             priority=params.get("priority", 0),
             session_id=self.session_id,
             cache=params.get("cache", True),
+            seed=params.get("seed"),
         )
 
     def checked_request(

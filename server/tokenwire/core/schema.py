@@ -132,6 +132,9 @@ class ResponseParams(_Settings):
     ignore_eos: bool = False
     # False: the response cache (--response-cache) neither serves nor stores it.
     cache: bool = True
+    # The sampler's seed: the same seed gives the same answer at any temperature
+    # (and the response cache may serve it).
+    seed: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] | None = None
 
 
 class _ClientEvent(BaseModel):

@@ -258,8 +258,7 @@ class Session:
         params = {key: given.get(key, self.config[key]) for key in _RESPONSE_SETTINGS}
         limit = params["max_output_tokens"] or self.limits.default_max_output_tokens
         params["max_output_tokens"] = None if limit == "inf" else limit
-        params["ignore_eos"] = rp.ignore_eos
-        params["cache"] = rp.cache
+        params.update(ignore_eos=rp.ignore_eos, cache=rp.cache, seed=rp.seed)
         check_tool_choice(params["tool_choice"], params["tools"], event_id, "response.tool_choice")
         self._check_priority(given.get("priority"), event_id, "response.priority")
         raw_inputs = rp.input or []

@@ -37,6 +37,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     # False: a response cache must neither serve nor store it (`cache: false`).
     cache: bool = True
+    # The sampler's seed (None: random); with one, the output is reproducible.
+    seed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -438,6 +438,7 @@ class RemoteEngine:
             ignore_eos=request.ignore_eos,
             skip_special_tokens=plan.skip_special_tokens,
             schema=plan.schema,
+            seed=request.seed,
         )
         priority, salt = request.priority, request.cache_salt
         rid = request.request_id if attempt == 0 else f"{request.request_id}-retry{attempt}"

@@ -52,6 +52,7 @@ def sampling(
     ignore_eos: bool,
     skip_special_tokens: bool,
     schema: dict[str, Any] | None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """vLLM sampling parameters, as both endpoints name them."""
     params: dict[str, Any] = {
@@ -60,6 +61,8 @@ def sampling(
         "ignore_eos": ignore_eos,
         "skip_special_tokens": skip_special_tokens,
     }
+    if seed is not None:
+        params["seed"] = seed
     if schema is not None:
         # `structured_outputs`, not `guided_json`: vLLM 0.32 ignores the latter.
         params["structured_outputs"] = {"json": schema}

@@ -225,6 +225,7 @@ class VllmEngine:
             parser = ParserStream(self.config.tool_parser, self._tokenizer, tools)
         params = SamplingParams(
             temperature=request.temperature,
+            seed=request.seed,
             max_tokens=max_tokens,
             ignore_eos=request.ignore_eos,
             output_kind=RequestOutputKind.DELTA,

@@ -53,6 +53,7 @@ def cache_key(model_id: str, request: GenerationRequest, tenant: str) -> str:
         # The engine's own rendering when its preflight gave one; else the chat.
         "prompt": list(request.rendered) if request.rendered is not None else request.messages,
         "temperature": request.temperature,
+        "seed": request.seed,
         "max_output_tokens": request.max_output_tokens,
         "ignore_eos": request.ignore_eos,
         "tools": request.tools,
@@ -66,7 +67,7 @@ def cache_key(model_id: str, request: GenerationRequest, tenant: str) -> str:
 def cacheable(request: GenerationRequest, context: StageContext) -> bool:
     return (
         request.cache
-        and request.temperature == 0
+        and (request.temperature == 0 or request.seed is not None)
         and not request.resume_token_ids
         # The response's first generation (core.lifecycle numbers them): later
         # ones follow a steer or tool calls, or resume after a pause.
