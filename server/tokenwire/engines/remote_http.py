@@ -84,11 +84,7 @@ def generate_body(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if priority:
-        body["priority"] = priority
-    if cache_salt:
-        body["cache_salt"] = cache_salt
-    return body
+    return _scheduling(body, priority, cache_salt)
 
 
 def completions_body(
@@ -106,6 +102,11 @@ def completions_body(
         "stream_options": {"include_usage": True},
         **params,
     }
+    return _scheduling(body, priority, cache_salt)
+
+
+def _scheduling(body: dict[str, Any], priority: int, cache_salt: str | None) -> dict[str, Any]:
+    """Both endpoints take these the same way, and only when set."""
     if priority:
         body["priority"] = priority
     if cache_salt:
