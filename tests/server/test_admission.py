@@ -69,3 +69,47 @@ async def test_a_batch_key_cannot_jump_the_queue() -> None:
         async with await connect(running.url, api_key="interactive-key") as interactive:
             assert interactive.session["priority"] == 0
             await interactive.update_session(priority=-5)
+
+
+def test_key_entries_carry_a_cache_salt() -> None:
+    keys = KeyStore(["key-a cache_salt=tenant-a", "key-b"])
+    assert keys.cache_salt(key_id("key-a")) == "tenant-a"
+    assert keys.cache_salt(key_id("key-b")) is None
+    assert Limiter(8, 0.0, keys).usage(key_id("key-a")).cache_salt == "tenant-a"
+    with pytest.raises(KeyFileError) as caught:
+        KeyStore(["k cache_salt="])
+    assert "cache_salt must be 1 to 128 printable characters" in str(caught.value)
+
+
+async def test_each_keys_requests_carry_its_cache_salt() -> None:
+    """The salt reaches every engine request of the key's sessions (the engines
+    pass it to vLLM, whose prefix cache it splits: tests/remote/test_remote_vllm.py)."""
+    from tokenwire.client import connect
+    from tokenwire.config import ServerConfig
+    from tokenwire.engines.scripted import ScriptedEngine
+    from tokenwire.server import TokenwireServer
+
+    from ..conftest import RunningServer
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Recording(ScriptedEngine):
+        def generate(self, request):  # type: ignore[no-untyped-def]
+            seen.append((request.messages[-1]["content"], request.cache_salt))
+            return super().generate(request)
+
+    config = ServerConfig(
+        engine="scripted",
+        port=0,
+        scripted_tokens_per_s=2000,
+        api_keys="key-a cache_salt=tenant-a,key-b cache_salt=tenant-b,key-c",
+    )
+    server = TokenwireServer(config, Recording(tokens_per_s=2000))
+    await server.start()
+    try:
+        for key in ("key-a", "key-b", "key-c"):
+            async with await connect(RunningServer(server).url, api_key=key) as tw:
+                assert await tw.ask(key) == f"You said: {key}"
+    finally:
+        await server.close()
+    assert seen == [("key-a", "tenant-a"), ("key-b", "tenant-b"), ("key-c", None)]

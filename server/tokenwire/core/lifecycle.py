@@ -65,6 +65,7 @@ class Lifecycle:
         preflight: Preflight | None,
         quota: Quota | None,
         tool_flow: ToolFlow = ToolFlow.CONTINUE,
+        cache_salt: str | None = None,
     ) -> None:
         self.session_id = session_id
         self._out = out
@@ -74,6 +75,7 @@ class Lifecycle:
         self._preflight = preflight
         self.quota = quota
         self.tool_flow = tool_flow
+        self.cache_salt = cache_salt
         self.responses: dict[str, Response] = {}
         # Finished responses, kept briefly so a late cancel gets a precise error.
         self.finished: OrderedDict[str, str] = OrderedDict()
@@ -240,6 +242,7 @@ class Lifecycle:
             session_id=self.session_id,
             cache=params.get("cache", True),
             seed=params.get("seed"),
+            cache_salt=self.cache_salt,
         )
 
     def checked_request(

@@ -55,6 +55,8 @@ class SessionLimits:
     # The best (lowest) priority this session may ask for, set per API key so a
     # batch key cannot jump the queue; None: any. Also its default priority.
     min_priority: int | None = None
+    # The engine's cache_salt for every request (per API key): prefix caches apart.
+    cache_salt: str | None = None
 
 
 class Session:
@@ -105,6 +107,7 @@ class Session:
             preflight if capabilities.preflight else None,
             quota,
             tool_flow,
+            self.limits.cache_salt,
         )
         # Called once or more per token: bound straight to their owners, so
         # the per-token path takes no extra hop through the session.

@@ -60,6 +60,7 @@ class KeyQuota(Quota, Protocol):
 
     key_id: str
     min_priority: int | None
+    cache_salt: str | None
 
 
 # Finds what serves a `session.resume` for a key, or raises ProtocolError.
@@ -94,6 +95,7 @@ class SessionRuntime:
                 max_conversation_bytes=config.max_conversation_bytes,
                 max_events_per_s=config.max_events_per_s,
                 min_priority=usage.min_priority if usage is not None else None,
+                cache_salt=usage.cache_salt if usage is not None else None,
             ),
             "info": {
                 "engine": engine.name,

@@ -70,6 +70,12 @@ def _set_name(value: str) -> str:
     return value
 
 
+def _salt(value: str) -> str:
+    if not 0 < len(value) <= 128 or not value.isprintable():
+        raise ValueError("must be 1 to 128 printable characters")
+    return value
+
+
 def _integer(value: str) -> int:
     try:
         return int(value)
@@ -78,9 +84,18 @@ def _integer(value: str) -> int:
 
 
 # Options a key entry may carry after the key, with how each reads its value:
-# `KEY min_priority=10 guardrails=strict` (a --guardrail-set, or `none`).
-KEY_OPTIONS: dict[str, Callable[[str], Any]] = {"min_priority": _integer, "guardrails": _set_name}
-_OPTION_FORMS = {"min_priority": "min_priority=N", "guardrails": "guardrails=NAME"}
+# `KEY min_priority=10 guardrails=strict cache_salt=acme` (a --guardrail-set,
+# or `none`; keys with different salts never share vLLM prefix-cache blocks).
+KEY_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "min_priority": _integer,
+    "guardrails": _set_name,
+    "cache_salt": _salt,
+}
+_OPTION_FORMS = {
+    "min_priority": "min_priority=N",
+    "guardrails": "guardrails=NAME",
+    "cache_salt": "cache_salt=SALT",
+}
 
 
 def parse_key_entry(line: str) -> tuple[str, dict[str, Any]] | None:
@@ -119,6 +134,10 @@ class KeyStore:
     def min_priority(self, kid: str) -> int | None:
         """The best (lowest) priority this key's sessions may ask for."""
         return self._options.get(kid, {}).get("min_priority")
+
+    def cache_salt(self, kid: str) -> str | None:
+        """vLLM's cache_salt for this key's requests: its prefix cache is its own."""
+        return self._options.get(kid, {}).get("cache_salt")
 
     def guardrail_set(self, kid: str) -> str | None:
         """The named guardrail set this key's sessions get (None: the default)."""
@@ -186,6 +205,7 @@ class KeyUsage:
     connections: int = 0
     responses: int = 0
     min_priority: int | None = None  # see KeyStore.min_priority
+    cache_salt: str | None = None  # see KeyStore.cache_salt
 
     def acquire_response(self) -> tuple[ErrorCode, str] | None:
         """Reserve a response slot, or say why not."""
@@ -236,6 +256,7 @@ class Limiter:
                 self.max_responses,
                 bucket,
                 min_priority=self.key_store.min_priority(key_id) if self.key_store else None,
+                cache_salt=self.key_store.cache_salt(key_id) if self.key_store else None,
             )
         return usage
 
