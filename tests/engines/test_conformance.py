@@ -160,16 +160,16 @@ async def test_max_output_tokens_is_exact_with_ignore_eos(engine: Engine) -> Non
 
 
 async def test_preflight_refuses_what_cannot_fit(engine: Engine) -> None:
-    if not engine.capabilities.preflight:
-        pytest.skip(f"{engine.name} claims no preflight")
+    # Every engine here claims it; a claim that went away must fail, not hide.
+    assert engine.capabilities.preflight, f"{engine.name} claims no preflight"
     with pytest.raises(ContextLengthExceeded) as caught:
         engine.preflight(request("word " * 20_000))
     assert isinstance(caught.value, RequestError) and caught.value.message
 
 
 async def test_preflight_rendering_is_what_generate_uses(engine: Engine) -> None:
-    if not engine.capabilities.preflight:
-        pytest.skip(f"{engine.name} claims no preflight")
+    # Every engine here claims it; a claim that went away must fail, not hide.
+    assert engine.capabilities.preflight, f"{engine.name} claims no preflight"
     req = request(max_output_tokens=12)
     rendered = engine.preflight(req)
     assert rendered is None or (
@@ -184,8 +184,7 @@ async def test_preflight_rendering_is_what_generate_uses(engine: Engine) -> None
 
 
 async def test_resume_from_token_ids_continues_exactly(engine: Engine) -> None:
-    if not engine.capabilities.resume_from_token_ids:
-        pytest.skip(f"{engine.name} cannot resume from token ids")
+    assert engine.capabilities.resume_from_token_ids, f"{engine.name} cannot resume"
     whole = await collect(
         engine, request("Tell me a story.", max_output_tokens=20, ignore_eos=True)
     )

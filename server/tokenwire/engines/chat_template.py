@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .base import ContextLengthExceeded, GenerationRequest
+
 
 class ChatTemplate:
     """Renders chat messages (with tools) through one tokenizer's template."""
@@ -58,6 +60,17 @@ class ChatTemplate:
     ) -> list[int]:
         """Token ids of the chat, ready for generation (generation prompt added)."""
         return list(self.tokenizer.encode(self.text(messages, tools), add_special_tokens=False))
+
+    def prompt_ids(self, request: GenerationRequest, max_len: int) -> list[int]:
+        """The request's chat as token ids; ContextLengthExceeded when it leaves
+        the model no room to generate."""
+        ids = self.render(request.messages, request.tools)
+        if len(ids) >= max_len:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(ids)} tokens; the model's context is {max_len} "
+                "tokens. Shorten the conversation or its instructions.",
+            )
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids))

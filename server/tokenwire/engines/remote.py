@@ -30,7 +30,6 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from ..logs import get_logger
 from .base import (
-    ContextLengthExceeded,
     EngineCapabilities,
     EngineDelta,
     EngineError,
@@ -53,6 +52,7 @@ from .remote_http import (
     sampling,
     sse_data,
 )
+from .startup import Startup
 from .toolcalls import ParserStream, forced_scanner, structured_schema
 
 if TYPE_CHECKING:
@@ -151,30 +151,26 @@ class RemoteEngine:
         self._client: httpx.AsyncClient | None = None
         self._template: ChatTemplate | None = None
         self._max_len = 0
-        self._ready = asyncio.Event()
-        self._failure: str | None = None
+        self._startup = Startup(
+            lambda exc: str(exc) if isinstance(exc, EngineError) else repr(exc),
+            "the remote engine",
+            log,
+        )
         self._in_flight = 0
         self._aborts: set[asyncio.Task[None]] = set()  # fire-and-forget abort POSTs
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self._failure is None
+        return self._startup.ready
 
     @property
     def failure(self) -> str | None:
-        return self._failure
+        return self._startup.failure
 
     # -- startup ------------------------------------------------------------
 
     async def start(self) -> None:
-        try:
-            await self._start()
-        except Exception as exc:  # reported through /readyz and every request
-            self._failure = str(exc) if isinstance(exc, EngineError) else repr(exc)
-            log.error("engine_start_failed", error=self._failure)
-            raise
-        finally:
-            self._ready.set()
+        await self._startup.run(self._start)
 
     async def _start(self) -> None:
         import httpx
@@ -334,18 +330,11 @@ class RemoteEngine:
 
     def _checked_ids(self, request: GenerationRequest) -> list[int]:
         assert self._template is not None
-        ids = self._template.render(request.messages, request.tools)
-        if len(ids) >= self._max_len:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(ids)} tokens; the model's context is {self._max_len} "
-                "tokens. Shorten the conversation or its instructions.",
-            )
-        return ids
+        return self._template.prompt_ids(request, self._max_len)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
-        await self._ready.wait()
-        if self._failure is not None or self._template is None:
-            raise EngineUnavailable(f"the remote engine failed to start: {self._failure}")
+        await self._startup.wait()
+        assert self._template is not None
         ids = list(request.rendered) if request.rendered else self._checked_ids(request)
         prompt = [*ids, *request.resume_token_ids]
         room = self._max_len - len(prompt)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..logs import get_logger
 from .base import (
-    ContextLengthExceeded,
     EngineCapabilities,
     EngineDelta,
     EngineLoad,
@@ -25,6 +24,7 @@ from .base import (
     GenerationRequest,
 )
 from .chat_template import ChatTemplate
+from .startup import Startup
 from .toolcalls import ParserStream, forced_scanner, structured_schema
 
 if TYPE_CHECKING:
@@ -88,8 +88,7 @@ class VllmEngine:
         self._template: ChatTemplate | None = None
         self._tracker: Any = None
         self._max_len: int | None = None
-        self._ready = asyncio.Event()
-        self._failure: str | None = None
+        self._startup = Startup(lambda exc: f"{type(exc).__name__}: {exc}", "the engine", log)
         # Priority reaches the scheduler only with --scheduling-policy priority.
         self.capabilities = EngineCapabilities(resume_from_token_ids=True, preflight=True)
         self.ranks = 1  # data-parallel ranks
@@ -98,21 +97,14 @@ class VllmEngine:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self._failure is None
+        return self._startup.ready
 
     @property
     def failure(self) -> str | None:
-        return self._failure
+        return self._startup.failure
 
     async def start(self) -> None:
-        try:
-            await self._start()
-        except Exception as exc:  # reported through /readyz and every request
-            self._failure = f"{type(exc).__name__}: {exc}"
-            log.error("engine_start_failed", error=self._failure)
-            raise
-        finally:
-            self._ready.set()
+        await self._startup.run(self._start)
 
     async def _start(self) -> None:
         from ..models import resolve_model
@@ -194,18 +186,13 @@ class VllmEngine:
         return tuple(self._checked_ids(request))
 
     def _checked_ids(self, request: GenerationRequest) -> list[int]:
-        ids = self.render(request)
-        if len(ids) >= (self._max_len or 0):
-            raise ContextLengthExceeded(
-                f"the prompt has {len(ids)} tokens; the model's context is {self._max_len} "
-                "tokens. Shorten the conversation or its instructions.",
-            )
-        return ids
+        assert self._template is not None
+        return self._template.prompt_ids(request, self._max_len or 0)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
-        await self._ready.wait()
-        if self._failure is not None or self._llm is None:
-            raise EngineUnavailable(f"the engine failed to start: {self._failure}")
+        await self._startup.wait()
+        if self._llm is None:  # closed meanwhile
+            raise EngineUnavailable("the engine is shut down")
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
         ids = list(request.rendered) if request.rendered else self._checked_ids(request)
