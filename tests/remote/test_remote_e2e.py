@@ -1,8 +1,9 @@
 """End to end: `tokenwire serve --engine remote` in front of a real `vllm serve`
 (SmolLM2 on the CPU; one server for the whole run, see conftest). A client
-streams a response; a cancel frees the slot on the vLLM server (its own
-/metrics); a client that stops reading has its generation paused (the remote
-slot freed) and resumed from the exact token ids, byte-identical."""
+streams a response, the same text as the in-process engine gives; a cancel
+frees the slot on the vLLM server (its own /metrics); a client that stops
+reading has its generation paused (the remote slot freed) and resumed from
+the exact token ids, byte-identical."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ import pytest
 
 from tokenwire.client import Client, connect
 
-from ..conftest import ARTIFACTS, VLLM_BACKPRESSURE_FLAGS, Spawned, http_json, spawn_server
+from ..conftest import (
+    ARTIFACTS,
+    VLLM_BACKPRESSURE_FLAGS,
+    Spawned,
+    VllmServer,
+    http_json,
+    spawn_server,
+)
 from ..helpers.tools import WEATHER_DESCRIBED as WEATHER
 from ..helpers.wire import raw_client
 from .vllm_serve import VllmOpenAI
@@ -69,6 +77,21 @@ async def test_a_client_streams_an_answer(gateway: Spawned, vllm_openai: VllmOpe
     assert f"tokenwire_remote_up{label} 1.0" in metrics
     assert f"tokenwire_remote_ttft_seconds_count{label}" in metrics
     assert f"tokenwire_remote_requests_total{label}" in metrics
+
+
+async def test_text_equals_the_in_process_engine(gateway: Spawned, vllm_server: VllmServer) -> None:
+    """Same model, same prompt, temperature 0: `--engine remote` in front of
+    `vllm serve` and `--engine vllm` in process give the same answer."""
+    answers = []
+    for url in (gateway.url, vllm_server.url):
+        async with await connect(url) as tw:
+            await tw.add_message("Name three colours and say why people like each one.")
+            response = await tw.create_response(temperature=0, max_output_tokens=48)
+            answers.append((await response.text(), (await response.done())["usage"]))
+    (remote, remote_usage), (local, local_usage) = answers
+    assert remote == local and len(remote) > 40
+    assert remote_usage["input_tokens"] == local_usage["input_tokens"]
+    assert remote_usage["output_tokens"] == local_usage["output_tokens"]
 
 
 async def test_cancel_frees_the_remote_slot(gateway: Spawned, vllm_openai: VllmOpenAI) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog
 from prometheus_client import REGISTRY
 from transformers import AutoTokenizer
 
@@ -34,6 +35,7 @@ from tokenwire.engines.remote_http import ReplicaFailed, error_for, parse_chunk
 from tokenwire.models import resolve_model
 
 from ..conftest import free_port
+from ..helpers.wait import until
 
 MODEL = str(resolve_model(None))
 TEMPLATE = ChatTemplate(AutoTokenizer.from_pretrained(MODEL))
@@ -68,20 +70,32 @@ class Fake:
     url: str
     stream: Callable[[dict], httpx.Response]
     generate_endpoint: bool = True
+    structured_outputs: bool = True  # honours them, as vLLM 0.32 does
+    healthy: bool = True  # what GET /health says
     bodies: list[dict] = field(default_factory=list)
     headers: list[httpx.Headers] = field(default_factory=list)
+    health_checks: int = 0
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": MODEL, "max_model_len": 2048}]})
+        if path == "/health":
+            self.health_checks += 1
+            return httpx.Response(200 if self.healthy else 503)
         body = json.loads(request.content)
         if path == "/tokenize":
             return httpx.Response(200, json={"tokens": TEMPLATE.render(body["messages"])})
         if path == "/inference/v1/generate" and not self.generate_endpoint:
             return httpx.Response(403)
         if not body.get("stream"):  # the startup probe
-            return httpx.Response(200, json={"usage": {"prompt_tokens_details": {}}})
+            params = body.get("sampling_params", body)
+            held = params.get("structured_outputs") and self.structured_outputs
+            answer = params["structured_outputs"]["choice"][0][0] if held else "Rome"
+            return httpx.Response(
+                200,
+                json={"choices": [{"text": answer}], "usage": {"prompt_tokens_details": {}}},
+            )
         self.bodies.append(body)
         self.headers.append(request.headers)
         return self.stream(body)
@@ -259,7 +273,7 @@ def test_sessions_keep_their_replica() -> None:
     assert firsts == {r.url for r in replicas}  # spread over all of them
     assert all(replica_order(replicas, "s7")[0] is replica_order(replicas, "s7")[0] for _ in "ab")
     pinned = replica_order(replicas, "s7")[0]
-    pinned.down_until = float("inf")
+    pinned.state = "down"
     assert replica_order(replicas, "s7")[-1] is pinned  # down: tried last
 
 
@@ -352,3 +366,56 @@ async def test_a_stream_broken_after_its_last_token_is_not_resubmitted() -> None
     assert "".join(d.text for d in deltas) == "done"
     assert deltas[-1].finish_reason == "stop" and deltas[-1].cached_tokens is None
     assert b.bodies == []  # finished: going on elsewhere would run past its end
+
+
+async def test_a_down_replica_comes_back_through_a_health_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("tokenwire.engines.remote.DOWN_FOR_S", 0.05)
+    monkeypatch.setattr("tokenwire.engines.remote.PROBE_MAX_S", 0.1)
+    a = Fake("http://a:1", lambda b: httpx.Response(500, json={"error": {"message": "oom"}}))
+    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("ok", 3, "stop"))))
+    a.healthy = False
+    engine = await started(a, b)
+    try:
+        assert "".join([d.text async for d in engine.generate(ask())]) == "ok"
+        assert engine.replicas[0].state in ("down", "probing")
+        await until(lambda: a.health_checks >= 2, "two probes")  # probed, and probed again
+        assert not engine.replicas[0].up
+        # Down, it is tried last: b serves the next request without a's 500.
+        assert "".join([d.text async for d in engine.generate(ask())]) == "ok"
+        assert len(a.bodies) == 1
+        a.healthy = True
+        a.stream = b.stream
+        await until(lambda: engine.replicas[0].up, "a back up")
+        assert engine.load().extra["replicas"]["http://a:1"]["state"] == "up"
+        assert "".join([d.text async for d in engine.generate(ask())]) == "ok"
+        assert len(a.bodies) == 2  # back in service, first in line again
+    finally:
+        await engine.close()
+
+
+async def test_a_chunk_from_another_model_fails_the_attempt() -> None:
+    wrong = {**token("Bonjour", 7), "model": "some-other-model"}
+    a = Fake("http://a:1", lambda b: httpx.Response(200, content=sse(wrong)))
+    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("Hi", 8, "stop"))))
+    engine = await started(a, b)
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "Hi"  # nothing of the misrouted answer
+    assert engine.replicas[0].failures == 1
+    with pytest.raises(ReplicaFailed, match="for model 'some-other-model'"):
+        parse_chunk(json.dumps(wrong), "http://a:1", MODEL)
+
+
+async def test_startup_warns_of_each_silent_no_op() -> None:
+    quiet = Fake("http://a:1", lambda b: httpx.Response(500))
+    quiet.structured_outputs = False
+    with structlog.testing.capture_logs() as logs:
+        engine = await started(quiet)
+        await engine.close()
+    warned = {e["event"] for e in logs if e["log_level"] == "warning"}
+    assert {"remote_structured_outputs_ignored", "remote_priority_off"} <= warned
+    with structlog.testing.capture_logs() as logs:
+        engine = await started(Fake("http://a:1", lambda b: httpx.Response(500)))
+        await engine.close()
+    assert "remote_structured_outputs_ignored" not in {e["event"] for e in logs}

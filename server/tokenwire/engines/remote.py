@@ -84,7 +84,13 @@ PROBE_CHAT = [
     {"role": "assistant", "content": "Paris."},
     {"role": "user", "content": "And of Italy?"},
 ]
-DOWN_FOR_S = 5.0  # a failed replica is skipped this long, then tried again (half-open)
+# Held to this by structured outputs, a 1-token answer must start it; the
+# model would never say it unconstrained.
+PROBE_CHOICE = "!!!"
+# A failed replica is skipped, and probed (GET /health) after this long, then
+# twice as long each time the probe fails, up to PROBE_MAX_S.
+DOWN_FOR_S = 5.0
+PROBE_MAX_S = 60.0
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -95,18 +101,22 @@ class Replica:
     max_model_len: int = 0
     generate_endpoint: bool = False  # offers /inference/v1/generate
     reports_cached: bool = False  # --enable-prompt-tokens-details
-    down_until: float = 0.0
+    # The circuit breaker: "up" (closed), "down" (open: skipped, tried only
+    # when nothing else is left) or "probing" (half-open: a /health probe
+    # decides whether it comes back).
+    state: str = "up"
+    probe: asyncio.Task[None] | None = None
     in_flight: int = 0
     failures: int = 0
     requests: int = 0
 
     @property
     def up(self) -> bool:
-        return time.monotonic() >= self.down_until
+        return self.state == "up"
 
     def describe(self) -> dict[str, Any]:
         return {
-            "state": "up" if self.up else "down",
+            "state": self.state,
             "endpoint": GENERATE_PATH if self.generate_endpoint else COMPLETIONS_PATH,
             "in_flight": self.in_flight,
             "requests": self.requests,
@@ -200,7 +210,7 @@ class RemoteEngine:
             UP.labels(replica.url).set_function(lambda r=replica: float(r.up))
         self._max_len = min(r.max_model_len for r in self.replicas)
         if not self.config.remote_priority:
-            log.info(
+            log.warning(
                 "remote_priority_off",
                 hint="priorities are sent, but vLLM ignores them unless it runs "
                 "--scheduling-policy priority; then pass --remote-priority",
@@ -270,15 +280,21 @@ class RemoteEngine:
             )
 
     async def _probe_endpoint(self, replica: Replica) -> None:
-        """One 1-token request: which endpoint, and are cached tokens reported."""
+        """One 1-token request: which endpoint, are cached tokens reported,
+        and are structured outputs honoured (a server that ignores them,
+        as vLLM does with the old `guided_json`, answers in prose)."""
         assert self._template is not None
         ids = self._template.render(PROBE_CHAT)
-        params = {"max_tokens": 1, "temperature": 0.0}
+        params = {
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "structured_outputs": {"choice": [PROBE_CHOICE]},
+        }
         resp = await self._call(
             replica,
             "POST",
             GENERATE_PATH,
-            json={"token_ids": ids, "sampling_params": params},
+            json={"token_ids": ids, "sampling_params": params, "output_mode": "text"},
         )
         if resp.status_code in (403, 404):  # not offered (no --enable-scale-out)
             resp = await self._call(
@@ -294,7 +310,8 @@ class RemoteEngine:
                 f"{replica.url} failed a 1-token test request ({resp.status_code}): "
                 f"{resp.text[:300]}"
             )
-        usage = resp.json().get("usage") or {}
+        answer = resp.json()
+        usage = answer.get("usage") or {}
         replica.reports_cached = usage.get("prompt_tokens_details") is not None
         if not replica.reports_cached:
             log.warning(
@@ -303,9 +320,18 @@ class RemoteEngine:
                 hint="usage will lack cached_tokens; start vllm serve with "
                 "--enable-prompt-tokens-details",
             )
+        text = ((answer.get("choices") or [{}])[0] or {}).get("text") or ""
+        if not (text and PROBE_CHOICE.startswith(text)):
+            log.warning(
+                "remote_structured_outputs_ignored",
+                url=replica.url,
+                answer=text,
+                hint="this server ignores structured_outputs, so forced tool calls "
+                "are not held to their schema; use a vLLM that supports them",
+            )
 
     async def close(self) -> None:
-        for task in list(self._aborts):
+        for task in [*self._aborts, *(r.probe for r in self.replicas if r.probe)]:
             task.cancel()
         if self._client is not None:
             await self._client.aclose()
@@ -395,11 +421,12 @@ class RemoteEngine:
                 async with aclosing(self._attempt(replica, request, plan, attempt)) as chunks:
                     async for chunk in chunks:
                         yield chunk
+                self._mark_up(replica)  # a last-resort try on a down one worked
                 return
             except ReplicaFailed as exc:
                 replica.failures += 1
                 FAILURES.labels(replica.url).inc()
-                replica.down_until = time.monotonic() + DOWN_FOR_S
+                self._mark_down(replica)
                 failures.append(exc.message)
                 log.warning(
                     "remote_replica_failed",
@@ -458,7 +485,7 @@ class RemoteEngine:
                         raise error_for(resp.status_code, text, replica.url)
                     streaming = True
                     async for data in sse_data(resp.aiter_lines()):
-                        chunk = parse_chunk(data, replica.url)
+                        chunk = parse_chunk(data, replica.url, replica.model)
                         if chunk.usage:
                             if final is not None:
                                 final.cached_tokens = chunk.cached_tokens
@@ -491,6 +518,42 @@ class RemoteEngine:
             raise ReplicaFailed(f"{replica.url} ended the stream before it finished")
         final.usage = True
         yield final
+
+    # -- the circuit breaker ---------------------------------------------------
+
+    def _mark_down(self, replica: Replica) -> None:
+        if replica.state == "up":
+            log.warning("remote_replica_down", url=replica.url)
+        replica.state = "down"
+        if replica.probe is None or replica.probe.done():
+            replica.probe = asyncio.get_running_loop().create_task(self._probe(replica))
+
+    def _mark_up(self, replica: Replica) -> None:
+        if replica.state != "up":
+            log.info("remote_replica_up", url=replica.url)
+        replica.state = "up"
+        if replica.probe is not None and replica.probe is not asyncio.current_task():
+            replica.probe.cancel()
+        replica.probe = None
+
+    async def _probe(self, replica: Replica) -> None:
+        """Half-open: one cheap request, rather than a client's, finds out
+        whether a down replica is back."""
+        assert self._client is not None
+        wait = DOWN_FOR_S
+        while replica.state != "up":
+            await asyncio.sleep(wait)
+            replica.state = "probing"
+            try:
+                resp = await self._client.get(replica.url + "/health", timeout=CONNECT_TIMEOUT_S)
+                healthy = resp.status_code == 200
+            except Exception:  # any failure to answer is a failed probe
+                healthy = False
+            if healthy:
+                self._mark_up(replica)
+                return
+            replica.state = "down"
+            wait = min(wait * 2, PROBE_MAX_S)
 
     def _abort_soon(self, replica: Replica, engine_request_id: str) -> None:
         async def abort() -> None:

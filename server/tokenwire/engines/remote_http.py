@@ -114,8 +114,9 @@ def _scheduling(body: dict[str, Any], priority: int, cache_salt: str | None) -> 
     return body
 
 
-def parse_chunk(data: str, url: str) -> Chunk:
-    """One SSE `data:` payload. Garbage or an error chunk fails the attempt."""
+def parse_chunk(data: str, url: str, model: str = "") -> Chunk:
+    """One SSE `data:` payload. Garbage, an error chunk or another model's
+    output (a misrouted request) fails the attempt."""
     try:
         payload = json.loads(data)
     except ValueError:
@@ -125,6 +126,8 @@ def parse_chunk(data: str, url: str) -> Chunk:
     if "error" in payload:  # vLLM reports errors raised mid-stream this way
         error = payload["error"] if isinstance(payload["error"], dict) else {}
         raise error_for(int(error.get("code") or 500), json.dumps(payload), url)
+    if model and payload.get("model", model) != model:
+        raise ReplicaFailed(f"{url} answered for model {payload['model']!r}, not {model!r}")
     chunk = Chunk()
     usage = payload.get("usage")
     choices = payload.get("choices") or []
