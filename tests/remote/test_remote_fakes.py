@@ -458,3 +458,20 @@ async def test_an_abort_goes_where_the_session_went_and_no_cookie_is_kept() -> N
     # The pod's cookie was not sent back on the session's next request, nor
     # would it be on any other session's.
     assert "cookie" not in a.headers[1]
+
+
+async def test_auto_tool_calls_go_through_the_configured_vllm_parser() -> None:
+    """tool_choice auto with --tool-parser hermes: vLLM's own parser runs here,
+    on the streamed text and ids, and asks for the special tokens it needs."""
+    said = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    pieces = [said[i : i + 4] for i in range(0, len(said), 4)] + ["</tool_call>"]
+    chunks = [token(p, TEMPLATE.tokenizer.encode(p, add_special_tokens=False)[0]) for p in pieces]
+    chunks[-1]["choices"][0]["finish_reason"] = "stop"
+    a = Fake("http://a:1", lambda b: httpx.Response(200, content=sse(*chunks, usage(0))))
+    engine = await started(a, tool_parser="hermes")
+    deltas = await run(engine, ask(tools=[WEATHER], tool_choice="auto"))
+    assert a.bodies[0]["sampling_params"]["skip_special_tokens"] is False
+    assert "".join(d.text for d in deltas).strip() == "Let me check."
+    calls = [c for d in deltas for c in d.tool_calls or ()]
+    assert {c.name for c in calls if c.name} == {"get_weather"}
+    assert json.loads("".join(c.arguments for c in calls)) == {"city": "Paris"}
