@@ -112,7 +112,6 @@ async def test_a_replica_dying_mid_stream_loses_and_repeats_nothing(
                 if sum(d.output_tokens for d in parts) == 20:
                     proxy.cut()  # the replica dies, mid-stream
             assert engine.replicas[0].failures == 1 and engine.replicas[1].requests == 1
-            assert not engine.replicas[0].up  # skipped for a while
         finally:
             await engine.close()
     ids = [t for d in parts for t in d.token_ids or ()]
