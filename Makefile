@@ -90,9 +90,9 @@ clean:
 	rm -rf $(VENV) $(AGENTS_VENV) .pytest_cache .ruff_cache test-artifacts client_js/node_modules
 
 # Every benchmark, one after the other (they must not share the 2 cores);
-# results go to benchmarks/results/ (JSON, Markdown, PNG). About 35 minutes.
+# results go to benchmarks/results/ (JSON, Markdown, PNG). About 50 minutes.
 BENCHMARKS := first_answer steer_tool_latency backpressure vs_vllm engine_ceiling \
-	cancel_steer_latency gateway_ceiling connections priority
+	cancel_steer_latency gateway_ceiling connections priority remote
 
 bench: install-test model
 	@for b in $(BENCHMARKS); do \

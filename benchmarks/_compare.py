@@ -1,14 +1,16 @@
-"""What the benchmarks that compare two sides over repeated rounds share
-(vs_vllm: tokenwire and vLLM's server; engine_ceiling: tokenwire and AsyncLLM)."""
+"""What the benchmarks that compare sides over repeated rounds share
+(vs_vllm: tokenwire and vLLM's server; engine_ceiling: tokenwire and AsyncLLM;
+remote: tokenwire's remote engine and SSE, both to one vLLM server)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import statistics
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,24 +98,24 @@ async def measure_batch(
     quiet: float,
     retries: int,
     label: str,
-    frontend_pid: int | None = None,
+    frontend_pids: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Batch `b` of `c` requests. One during which other programs took more
     than `quiet` cores is run again, up to `retries` times; the last attempt
     counts, all are kept. Every batch, retries too, has prompts of its own (no
     prefix-cache help); the same `key` and `b` give the same prompts, so both
-    sides of a round get them. With `frontend_pid`, the CPU that process
-    (not its children: the engine) took during the batch is recorded."""
+    sides of a round get them. With `frontend_pids`, the CPU those processes
+    (not their children: the engine) took during the batch is recorded."""
     attempts: list[dict[str, Any]] = []
     for attempt in range(retries + 1):
         before, t0 = cpu_snapshot(), time.perf_counter()
-        frontend = threads_cpu_seconds(frontend_pid) if frontend_pid else 0.0
+        frontend = sum(map(threads_cpu_seconds, frontend_pids))
         first = ((key * 10 + b) * 10 + attempt) * 10_000 + c * 100
         results, wall = await batch(one, c, first)
         other = other_cpu_cores(before, cpu_snapshot(), time.perf_counter() - t0)
         attempts.append({**summarise(results, wall), "other_cores": other})
-        if frontend_pid:
-            attempts[-1]["frontend_cpu_s"] = threads_cpu_seconds(frontend_pid) - frontend
+        if frontend_pids:
+            attempts[-1]["frontend_cpu_s"] = sum(map(threads_cpu_seconds, frontend_pids)) - frontend
         print(
             f"{label}c={c} batch {b + 1}: {attempts[-1]['tokens_per_s']:.1f} tokens/s, "
             f"TTFT p50 {attempts[-1]['ttft_p50_ms']:.0f} ms, other programs {other:.2f} cores",
@@ -153,6 +155,46 @@ async def measure_level(
     )
 
 
+async def measure_round(
+    ones: dict[str, One],
+    pids: Mapping[str, Sequence[int]],
+    args: argparse.Namespace,
+    r: int,
+    warm: int | None,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Round `r`: a warm-up batch of `warm` requests on each side (None: none),
+    then per level (`args.concurrency`) `args.batches` batches on each side,
+    the order rotating by one side per batch and round (two sides: A B B A
+    ...), so each side's batch has the others' seconds before or after it.
+    Each side's batches of a level are pooled; `pids` are its frontend processes."""
+    sides = list(ones)
+    width = max(map(len, sides))
+    if warm:
+        for side in sides:
+            await batch(ones[side], warm, 1_000_000)
+    out: dict[str, dict[str, dict[str, Any]]] = {side: {} for side in sides}
+    for c in args.concurrency:
+        done: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+        for b in range(args.batches):
+            k = (r + b) % len(sides)
+            for side in sides[k:] + sides[:k]:
+                done[side].append(
+                    await measure_batch(
+                        ones[side],
+                        c,
+                        r,
+                        b,
+                        args.quiet_cores,
+                        args.retries,
+                        f"  {side:{width}s} ",
+                        frontend_pids=pids[side],
+                    )
+                )
+        for side in sides:
+            out[side][str(c)] = pooled(done[side])
+    return out
+
+
 def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median over rounds of each figure, with the spread of tokens/s."""
     out: dict[str, Any] = {f: statistics.median(r[f] for r in runs) for f in FIELDS}
@@ -185,6 +227,27 @@ def side_cells(r: dict[str, Any]) -> str:
 def ratio_cells(q: dict[str, float]) -> str:
     """The latency cells of a ratio row (the tokens/s cell is each caller's own)."""
     return " | ".join(f"{q[f]:.2f}x" for f in LATENCIES)
+
+
+def round_parser(
+    doc: str | None, *, repeats: int, repeats_help: str, retries: int
+) -> argparse.ArgumentParser:
+    """The command line every side-by-side benchmark starts from: levels,
+    tokens per request, rounds, and the reruns of disturbed batches."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
+    parser.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.15,
+        help="run a batch again if other programs took more cores than this meanwhile",
+    )
+    parser.add_argument("--retries", type=int, default=retries, help="at most, per batch")
+    return parser
 
 
 def code_state() -> dict[str, Any]:

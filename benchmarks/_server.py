@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -127,6 +128,34 @@ def tokenwire_process(
         timeout=timeout,
     ) as proc:
         yield f"ws://127.0.0.1:{port}/v1/realtime", proc
+
+
+def redis_ping(port: int) -> bool:
+    """Whether a Redis server answers PING on `port`."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@contextmanager
+def redis_process(log_name: str = "redis.log") -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Yields the redis:// URL of a fresh redis-server (no persistence), and its process."""
+    binary = shutil.which("redis-server")
+    if not binary:
+        raise RuntimeError("redis-server is missing: `make install-test` installs it")
+    port = free_port()
+    with server_process(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        log_name,
+        lambda: redis_ping(port),
+        what="redis-server",
+        timeout=10,
+        poll_s=0.05,
+    ) as proc:
+        yield f"redis://127.0.0.1:{port}/0", proc
 
 
 def http_base(ws_url: str) -> str:

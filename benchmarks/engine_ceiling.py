@@ -55,6 +55,7 @@ from ._compare import (
     plot_sides,
     ratio_cells,
     ratios,
+    round_parser,
     side_cells,
 )
 from ._server import (
@@ -261,19 +262,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="rounds over all levels")
-    parser.add_argument(
-        "--quiet-cores",
-        type=float,
-        default=0.15,
-        help="run a batch again if other programs took more cores than this meanwhile",
-    )
-    parser.add_argument("--retries", type=int, default=2, help="at most, per batch")
+    parser = round_parser(__doc__, repeats=3, repeats_help="rounds over all levels", retries=2)
     parser.add_argument(
         "--order", nargs=2, choices=SIDES, default=list(SIDES), help="which phase runs first"
     )

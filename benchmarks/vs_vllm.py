@@ -43,7 +43,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -56,15 +56,14 @@ from tokenwire.models import resolve_model
 from ._compare import (
     TABLE_COLUMNS,
     One,
-    batch,
     code_state,
     interval_text,
     level_summary,
-    measure_batch,
+    measure_round,
     plot_sides,
-    pooled,
     ratio_cells,
     ratios,
+    round_parser,
     side_cells,
 )
 from ._server import (
@@ -98,18 +97,41 @@ async def tokenwire_one(url: str, i: int, tokens: int, start: asyncio.Event) -> 
     return {"sent": sent, "stamps": stamps, "tokens": done["usage"]["output_tokens"]}
 
 
-async def vllm_one(
-    base: str, http: aiohttp.ClientSession, i: int, tokens: int, start: asyncio.Event
-) -> dict[str, Any]:
-    body = {
-        "model": "smollm2",
-        "messages": [{"role": "user", "content": prompt(i)}],
+def chat_body(text: str, tokens: int, model: str = "smollm2") -> dict[str, Any]:
+    """A streaming /v1/chat/completions request: greedy, `tokens` long (ignore_eos)."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
         "max_tokens": tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI server-sent event stream, until [DONE]."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    return chunk["choices"][0]["delta"].get("content") or "" if chunk["choices"] else ""
+
+
+async def vllm_one(
+    base: str,
+    http: aiohttp.ClientSession,
+    i: int,
+    tokens: int,
+    start: asyncio.Event,
+    model: str = "smollm2",
+) -> dict[str, Any]:
     # Connect before the clock starts, as the WebSocket clients do: the
     # connection stays in the session's pool (the server keeps it 5 s).
     async with http.get(f"{base}/health") as resp:
@@ -118,48 +140,14 @@ async def vllm_one(
     sent = time.perf_counter()
     stamps: list[float] = []
     count = 0
+    body = chat_body(prompt(i), tokens, model)
     async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if chunk.get("usage"):
                 count = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            if chunk_text(chunk):
                 stamps.append(time.perf_counter())
     return {"sent": sent, "stamps": stamps, "tokens": count}
-
-
-async def measure_round(
-    ones: dict[str, One], pids: dict[str, int], args: argparse.Namespace, r: int
-) -> dict[str, dict[str, dict[str, Any]]]:
-    """Warm both up, then per level `--batches` batches on each server, in
-    the order A B B A ... (A alternating between rounds), so each tokenwire
-    batch has a vLLM batch seconds before or after it."""
-    for side in SIDES:
-        await batch(ones[side], max(args.concurrency), 1_000_000)
-    out: dict[str, dict[str, dict[str, Any]]] = {side: {} for side in SIDES}
-    for c in args.concurrency:
-        done: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
-        for b in range(args.batches):
-            order = SIDES if (r + b) % 2 == 0 else SIDES[::-1]
-            for side in order:
-                done[side].append(
-                    await measure_batch(
-                        ones[side],
-                        c,
-                        r,
-                        b,
-                        args.quiet_cores,
-                        args.retries,
-                        f"  {side:9s} ",
-                        frontend_pid=pids[side],
-                    )
-                )
-        for side in SIDES:
-            out[side][str(c)] = pooled(done[side])
-    return out
 
 
 # -- the servers -------------------------------------------------------------------
@@ -233,9 +221,8 @@ def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
                     "tokenwire": lambda i, s: tokenwire_one(url, i, args.tokens, s),
                     "vllm": lambda i, s: vllm_one(base, http, i, args.tokens, s),
                 }
-                return await measure_round(
-                    ones, {"tokenwire": tw_proc.pid, "vllm": vllm_pid}, args, r
-                )
+                pids = {"tokenwire": [tw_proc.pid], "vllm": [vllm_pid]}
+                return await measure_round(ones, pids, args, r, warm=max(args.concurrency))
 
         levels = asyncio.run(measure())
     leftovers = wait_for_descendants()  # fully down before the next round starts
@@ -381,19 +368,8 @@ def build_report(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument(
-        "--repeats", type=int, default=5, help="rounds; each starts and stops both servers"
-    )
-    parser.add_argument(
-        "--quiet-cores",
-        type=float,
-        default=0.15,
-        help="run a batch again if other programs took more cores than this meanwhile",
+    parser = round_parser(
+        __doc__, repeats=5, repeats_help="rounds; each starts and stops both servers", retries=1
     )
     parser.add_argument(
         "--batches",
@@ -401,7 +377,6 @@ def main() -> None:
         default=2,
         help="batches per level and server in each round, pooled",
     )
-    parser.add_argument("--retries", type=int, default=1, help="at most, per batch")
     parser.add_argument(
         "--report-only",
         action="store_true",

@@ -30,8 +30,9 @@ from tokenwire.engines.base import (
     RequestError,
 )
 from tokenwire.engines.chat_template import ChatTemplate
-from tokenwire.engines.remote import RemoteEngine, replica_order
+from tokenwire.engines.remote import RemoteEngine
 from tokenwire.engines.remote_http import ReplicaFailed, error_for, parse_chunk
+from tokenwire.engines.replicas import Replica, replica_order
 from tokenwire.models import resolve_model
 
 from ..conftest import free_port
@@ -273,7 +274,6 @@ def test_chunks_and_errors_are_classified() -> None:
 
 
 def test_sessions_keep_their_replica() -> None:
-    from tokenwire.engines.remote import Replica
 
     replicas = [Replica(f"http://r{i}") for i in range(3)]
     firsts = {replica_order(replicas, f"s{i}")[0].url for i in range(30)}
@@ -378,8 +378,8 @@ async def test_a_stream_broken_after_its_last_token_is_not_resubmitted() -> None
 async def test_a_down_replica_comes_back_through_a_health_probe(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("tokenwire.engines.remote.DOWN_FOR_S", 0.05)
-    monkeypatch.setattr("tokenwire.engines.remote.PROBE_MAX_S", 0.1)
+    monkeypatch.setattr("tokenwire.engines.replicas.DOWN_FOR_S", 0.05)
+    monkeypatch.setattr("tokenwire.engines.replicas.PROBE_MAX_S", 0.1)
     a = Fake("http://a:1", lambda b: httpx.Response(500, json={"error": {"message": "oom"}}))
     b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("ok", 3, "stop"))))
     a.healthy = False

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tokenwire.engines.remote import Replica, replica_order
+from tokenwire.engines.replicas import Replica, replica_order
 
 from ..conftest import ARTIFACTS, Spawned, free_port, http_json, spawn_server
 from ..helpers.wire import Wire

@@ -6,13 +6,10 @@ steered or failed-over generation resubmits prompt + generated ids and
 continues exactly (a prefix-cache hit on the server). Tool-call scanners run
 here, on the streamed text.
 
-Each server is probed at startup: its model and max_model_len
-(`/v1/models`), the token-ids endpoint (`/inference/v1/generate` when it is
-offered, `/v1/completions` otherwise), cached-token reporting, and whether
-its `/tokenize` renders a conversation as tokenwire does; a mismatch refuses
-to start. A session is pinned to one replica by a stable hash of its id (and
-carries it in a header, for a router); a replica that fails is skipped for a
-while, and a generation it was running continues on the next one.
+Each server is checked at startup (remote_checks.py). A session is pinned
+to one replica by a stable hash of its id (and carries it in a header, for a
+router); a replica that fails is taken out by its circuit breaker
+(replicas.py), and a generation it was running continues on the next one.
 """
 
 from __future__ import annotations
@@ -20,14 +17,11 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-import zlib
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import TYPE_CHECKING, Any
-
-from prometheus_client import Counter, Gauge, Histogram
 
 from ..logs import get_logger
 from .base import (
@@ -39,6 +33,7 @@ from .base import (
     GenerationRequest,
 )
 from .chat_template import ChatTemplate
+from .remote_checks import check_rendering, probe_endpoint, read_model
 from .remote_http import (
     ABORT_PATH,
     COMPLETIONS_PATH,
@@ -53,6 +48,7 @@ from .remote_http import (
     sampling,
     sse_data,
 )
+from .replicas import REQUESTS, TTFT, Replica, replica_order
 from .startup import Startup
 from .toolcalls import ParserStream, forced_scanner, structured_schema
 
@@ -63,66 +59,7 @@ if TYPE_CHECKING:
 
 log = get_logger("tokenwire.engines.remote")
 
-# Per replica, beside the gateway's own metrics at /metrics.
-REQUESTS = Counter("tokenwire_remote_requests_total", "Attempts sent to a server", ["replica"])
-FAILURES = Counter(
-    "tokenwire_remote_failures_total",
-    "Attempts a server failed: unreachable, 5xx, garbage, stalled, no first token",
-    ["replica"],
-)
-TTFT = Histogram(
-    "tokenwire_remote_ttft_seconds",
-    "Request sent to first token, per server",
-    ["replica"],
-    buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
-)
-UP = Gauge("tokenwire_remote_up", "1: in service; 0: skipped after a failure", ["replica"])
-
-# The conversation whose rendering must match the server's /tokenize.
-PROBE_CHAT = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "Paris."},
-    {"role": "user", "content": "And of Italy?"},
-]
-# Held to this by structured outputs, a 1-token answer must start it; the
-# model would never say it unconstrained.
-PROBE_CHOICE = "!!!"
-# A failed replica is skipped, and probed (GET /health) after this long, then
-# twice as long each time the probe fails, up to PROBE_MAX_S.
-DOWN_FOR_S = 5.0
-PROBE_MAX_S = 60.0
 CONNECT_TIMEOUT_S = 5.0
-
-
-@dataclass(slots=True)
-class Replica:
-    url: str
-    model: str = ""
-    max_model_len: int = 0
-    generate_endpoint: bool = False  # offers /inference/v1/generate
-    reports_cached: bool = False  # --enable-prompt-tokens-details
-    # The circuit breaker: "up" (closed), "down" (open: skipped, tried only
-    # when nothing else is left) or "probing" (half-open: a /health probe
-    # decides whether it comes back).
-    state: str = "up"
-    probe: asyncio.Task[None] | None = None
-    in_flight: int = 0
-    failures: int = 0
-    requests: int = 0
-
-    @property
-    def up(self) -> bool:
-        return self.state == "up"
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "endpoint": GENERATE_PATH if self.generate_endpoint else COMPLETIONS_PATH,
-            "in_flight": self.in_flight,
-            "requests": self.requests,
-            "failures": self.failures,
-        }
 
 
 @dataclass(slots=True)
@@ -134,16 +71,6 @@ class _Plan:
     schema: dict[str, Any] | None
     skip_special_tokens: bool
     produced: list[int] = field(default_factory=list)
-
-
-def replica_order(replicas: list[Replica], session_id: str | None) -> list[Replica]:
-    """The session's own replica first (stable across processes), then the
-    rest in ring order; replicas marked down go last, still a last resort."""
-    if not replicas:
-        return []
-    start = zlib.crc32(session_id.encode()) % len(replicas) if session_id else 0
-    ring = replicas[start:] + replicas[:start]
-    return [r for r in ring if r.up] + [r for r in ring if not r.up]
 
 
 class RemoteEngine:
@@ -202,16 +129,16 @@ class RemoteEngine:
             ),
         )
         for replica in self.replicas:
-            await self._read_model(replica)
+            await read_model(self._client, replica)
         models = {r.model for r in self.replicas}
         if len(models) > 1:
             raise EngineUnavailable(f"the servers serve different models: {sorted(models)}")
         self.model = self.replicas[0].model
         self._template = ChatTemplate(await asyncio.to_thread(self._load_tokenizer))
         for replica in self.replicas:
-            await self._check_rendering(replica)
-            await self._probe_endpoint(replica)
-            UP.labels(replica.url).set_function(lambda r=replica: float(r.up))
+            await check_rendering(self._client, self._template, replica)
+            await probe_endpoint(self._client, self._template, replica)
+            replica.watch()
         self._max_len = min(r.max_model_len for r in self.replicas)
         if not self.config.remote_priority:
             log.warning(
@@ -238,105 +165,11 @@ class RemoteEngine:
                 "pass --model with a local copy of the served model's tokenizer"
             ) from None
 
-    async def _call(self, replica: Replica, method: str, path: str, **kw: Any) -> httpx.Response:
-        import httpx
-
-        assert self._client is not None
-        try:
-            return await self._client.request(method, replica.url + path, **kw)
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(
-                f"cannot reach {replica.url} ({type(exc).__name__}: {exc})"
-            ) from None
-
-    async def _read_model(self, replica: Replica) -> None:
-        resp = await self._call(replica, "GET", "/v1/models")
-        if resp.status_code != 200:
-            raise EngineUnavailable(f"{replica.url}/v1/models answered {resp.status_code}")
-        try:
-            card = resp.json()["data"][0]
-            replica.model = str(card["id"])
-            replica.max_model_len = int(card["max_model_len"])
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise EngineUnavailable(
-                f"{replica.url}/v1/models is not a vLLM model list: {resp.text[:300]!r}"
-            ) from None
-
-    async def _check_rendering(self, replica: Replica) -> None:
-        """Token ids only mean the same thing if both sides render alike."""
-        assert self._template is not None
-        ours = self._template.render(PROBE_CHAT)
-        resp = await self._call(
-            replica,
-            "POST",
-            "/tokenize",
-            json={"model": replica.model, "messages": PROBE_CHAT, "add_generation_prompt": True},
-        )
-        if resp.status_code != 200:
-            raise EngineUnavailable(f"{replica.url}/tokenize answered {resp.status_code}")
-        theirs = list(resp.json().get("tokens") or [])
-        if theirs != ours:
-            raise EngineUnavailable(
-                f"{replica.url} renders the chat template differently from tokenwire; "
-                "token ids would not mean the same thing.\n"
-                f"  tokenwire ({len(ours)} tokens): {self._template.decode(ours)!r}\n"
-                f"  server    ({len(theirs)} tokens): {self._template.decode(theirs)!r}"
-            )
-
-    async def _probe_endpoint(self, replica: Replica) -> None:
-        """One 1-token request: which endpoint, are cached tokens reported,
-        and are structured outputs honoured (a server that ignores them,
-        as vLLM does with the old `guided_json`, answers in prose)."""
-        assert self._template is not None
-        ids = self._template.render(PROBE_CHAT)
-        params = {
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "structured_outputs": {"choice": [PROBE_CHOICE]},
-        }
-        resp = await self._call(
-            replica,
-            "POST",
-            GENERATE_PATH,
-            json={"token_ids": ids, "sampling_params": params, "output_mode": "text"},
-        )
-        if resp.status_code in (403, 404):  # not offered (no --enable-scale-out)
-            resp = await self._call(
-                replica,
-                "POST",
-                COMPLETIONS_PATH,
-                json={"model": replica.model, "prompt": ids, **params},
-            )
-        else:
-            replica.generate_endpoint = True
-        if resp.status_code != 200:
-            raise EngineUnavailable(
-                f"{replica.url} failed a 1-token test request ({resp.status_code}): "
-                f"{resp.text[:300]}"
-            )
-        answer = resp.json()
-        usage = answer.get("usage") or {}
-        replica.reports_cached = usage.get("prompt_tokens_details") is not None
-        if not replica.reports_cached:
-            log.warning(
-                "remote_no_cached_tokens",
-                url=replica.url,
-                hint="usage will lack cached_tokens; start vllm serve with "
-                "--enable-prompt-tokens-details",
-            )
-        text = ((answer.get("choices") or [{}])[0] or {}).get("text") or ""
-        if not (text and PROBE_CHOICE.startswith(text)):
-            log.warning(
-                "remote_structured_outputs_ignored",
-                url=replica.url,
-                answer=text,
-                hint="this server ignores structured_outputs, so forced tool calls "
-                "are not held to their schema; use a vLLM that supports them",
-            )
-
     async def close(self) -> None:
-        for task in [*self._aborts, *(r.probe for r in self.replicas if r.probe)]:
+        for task in self._aborts:
             task.cancel()
+        for replica in self.replicas:
+            replica.stop()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -425,12 +258,11 @@ class RemoteEngine:
                 async with aclosing(self._attempt(replica, request, plan, attempt)) as chunks:
                     async for chunk in chunks:
                         yield chunk
-                self._mark_up(replica)  # a last-resort try on a down one worked
+                replica.served()  # also brings back a down one, tried as a last resort
                 return
             except ReplicaFailed as exc:
-                replica.failures += 1
-                FAILURES.labels(replica.url).inc()
-                self._mark_down(replica)
+                assert self._client is not None
+                replica.failed(self._client)
                 failures.append(exc.message)
                 log.warning(
                     "remote_replica_failed",
@@ -522,42 +354,6 @@ class RemoteEngine:
             raise ReplicaFailed(f"{replica.url} ended the stream before it finished")
         final.usage = True
         yield final
-
-    # -- the circuit breaker ---------------------------------------------------
-
-    def _mark_down(self, replica: Replica) -> None:
-        if replica.state == "up":
-            log.warning("remote_replica_down", url=replica.url)
-        replica.state = "down"
-        if replica.probe is None or replica.probe.done():
-            replica.probe = asyncio.get_running_loop().create_task(self._probe(replica))
-
-    def _mark_up(self, replica: Replica) -> None:
-        if replica.state != "up":
-            log.info("remote_replica_up", url=replica.url)
-        replica.state = "up"
-        if replica.probe is not None and replica.probe is not asyncio.current_task():
-            replica.probe.cancel()
-        replica.probe = None
-
-    async def _probe(self, replica: Replica) -> None:
-        """Half-open: one cheap request, rather than a client's, finds out
-        whether a down replica is back."""
-        assert self._client is not None
-        wait = DOWN_FOR_S
-        while replica.state != "up":
-            await asyncio.sleep(wait)
-            replica.state = "probing"
-            try:
-                resp = await self._client.get(replica.url + "/health", timeout=CONNECT_TIMEOUT_S)
-                healthy = resp.status_code == 200
-            except Exception:  # any failure to answer is a failed probe
-                healthy = False
-            if healthy:
-                self._mark_up(replica)
-                return
-            replica.state = "down"
-            wait = min(wait * 2, PROBE_MAX_S)
 
     def _abort_soon(
         self, replica: Replica, engine_request_id: str, headers: dict[str, str]
