@@ -475,3 +475,15 @@ async def test_auto_tool_calls_go_through_the_configured_vllm_parser() -> None:
     calls = [c for d in deltas for c in d.tool_calls or ()]
     assert {c.name for c in calls if c.name} == {"get_weather"}
     assert json.loads("".join(c.arguments for c in calls)) == {"city": "Paris"}
+
+
+async def test_a_server_error_mid_stream_hands_over() -> None:
+    """vLLM reports an engine failure mid-stream as an error chunk (code 500):
+    the replica's fault, so the next one continues after the ids so far."""
+    crash = {"error": {"message": "EngineCore died", "type": "InternalServerError", "code": 500}}
+    a = Fake("http://a:1", lambda b: httpx.Response(200, content=sse(token("Hel", 11), crash)))
+    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("lo", 12, "stop"))))
+    engine = await started(a, b)
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "Hello"
+    assert b.bodies[0]["token_ids"][-1] == 11 and engine.replicas[0].failures == 1
