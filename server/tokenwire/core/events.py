@@ -75,7 +75,10 @@ Action = StartGeneration | AbortGeneration | StartTimer
 
 
 class Outputs:
-    """What the session produced that its runtime has not taken yet."""
+    """What the session produced that its runtime has not taken yet.
+
+    `events` stays the same list object for the session's life (the per-token
+    path holds it): taking copies it out and clears it."""
 
     __slots__ = ("actions", "events")
 
@@ -92,9 +95,21 @@ class Outputs:
         self.actions.append(action)
 
     def take_events(self) -> list[dict[str, Any]]:
-        events, self.events = self.events, []
-        return events
+        events = self.events
+        if not events:
+            return []
+        taken = events.copy()
+        events.clear()
+        return taken
 
     def take_actions(self) -> list[Action]:
-        actions, self.actions = self.actions, []
+        actions = self.actions
+        if not actions:
+            return _NONE  # per token: no list made when there is nothing
+        self.actions = []
         return actions
+
+
+# What take_actions returns when there is nothing: one shared list, which
+# callers only read.
+_NONE: list[Any] = []

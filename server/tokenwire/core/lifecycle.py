@@ -19,6 +19,7 @@ from ..engines.base import (
     EngineError,
     EngineUnavailable,
     GenerationRequest,
+    ToolCallDelta,
 )
 from . import events as ev
 from . import schema as s
@@ -69,6 +70,9 @@ class Lifecycle:
     ) -> None:
         self.session_id = session_id
         self._out = out
+        # Where `emit` puts events; the per-token path appends to it directly
+        # (no event_id to set), and Outputs never replaces the list.
+        self._events = out.events
         self.conversation = conversation
         self.clock = clock
         self.capabilities = capabilities
@@ -94,7 +98,9 @@ class Lifecycle:
         self.start_generation(resp, request)
 
     def receive_engine_output(self, request_id: str, delta: EngineDelta) -> None:
-        resp = self._response_for(request_id)
+        # Run per token: lookups inlined, and what a delta seldom carries tested once.
+        response_id = self._requests.get(request_id)
+        resp = self.responses.get(response_id) if response_id else None
         if resp is None:
             return  # a request we already aborted; its late outputs are dropped
         if delta.prompt_tokens is not None:
@@ -104,24 +110,34 @@ class Lifecycle:
             resp.queue_wait_s += delta.queue_wait_s
         if delta.cached_response:
             resp.cached_response = True
-        resp.output_tokens += delta.output_tokens
+        n = delta.output_tokens
+        resp.output_tokens += n
         if self.quota is not None:
-            self.quota.spend_tokens(delta.output_tokens)
+            self.quota.spend_tokens(n)
         if delta.token_ids:
             resp.gen_token_ids.extend(delta.token_ids)
-        if (delta.text or delta.tool_calls) and resp.first_token_at is None:
+        text, calls = delta.text, delta.tool_calls
+        if (text or calls) and resp.first_token_at is None:
             resp.first_token_at = self.clock()
-        if delta.text:
-            item = resp.append_text(self.conversation, delta.text)
-            self._out.emit(
+        if text:
+            item = resp.append_text(self.conversation, text)
+            self._events.append(
                 {
                     "type": ev.RESPONSE_OUTPUT_TEXT_DELTA,
                     "response_id": resp.id,
                     "item_id": item["id"],
-                    "delta": delta.text,
+                    "delta": text,
                 }
             )
-        for chunk in delta.tool_calls or ():
+        if calls:
+            self._call_chunks(resp, calls)
+        if delta.finish_reason is not None:
+            self._requests.pop(request_id, None)
+            resp.request_id = None
+            self._end_generation(resp, delta.finish_reason)
+
+    def _call_chunks(self, resp: Response, chunks: list[ToolCallDelta]) -> None:
+        for chunk in chunks:
             item = resp.append_call_chunk(
                 self.conversation, chunk.index, chunk.name, chunk.arguments
             )
@@ -135,10 +151,6 @@ class Lifecycle:
                     "delta": chunk.arguments,
                 }
             )
-        if delta.finish_reason is not None:
-            self._requests.pop(request_id, None)
-            resp.request_id = None
-            self._end_generation(resp, delta.finish_reason)
 
     def receive_engine_error(self, request_id: str, exc: EngineError) -> None:
         resp = self._response_for(request_id)

@@ -14,10 +14,16 @@ from typing import Any
 
 from .events import RESPONSE_OUTPUT_TEXT_DELTA as DELTA
 
+# The queue of an outbox that has not queued yet: most never do (the fast
+# path skips them), and an empty deque is about 600 bytes.
+_NONE: Any = ()
+
 
 class Outbox:
+    __slots__ = ("_queue", "merged", "next_seq", "pending_bytes")
+
     def __init__(self, first_seq: int = 1) -> None:
-        self._queue: deque[dict[str, Any]] = deque()
+        self._queue: deque[dict[str, Any]] = _NONE
         self.next_seq = first_seq
         self.merged = 0  # deltas absorbed into others, for metrics
         # Estimated encoded size of what is queued; the accounting needs it
@@ -32,10 +38,14 @@ class Outbox:
         return iter(self._queue)
 
     def push(self, event: dict[str, Any]) -> None:
+        if self._queue is _NONE:
+            self._queue = deque()
         self._queue.append(event)
         self.pending_bytes += estimate_size(event)
 
     def push_front(self, event: dict[str, Any]) -> None:
+        if self._queue is _NONE:
+            self._queue = deque()
         self._queue.appendleft(event)
         self.pending_bytes += estimate_size(event)
 
@@ -44,7 +54,7 @@ class Outbox:
             self.push(event)
 
     def clear(self) -> None:
-        self._queue.clear()
+        self._queue = _NONE
         self.pending_bytes = 0
 
     def pop(self, *, merge: bool = False) -> dict[str, Any] | None:

@@ -86,7 +86,12 @@ class Response:
             )
             self._add_output(conv, item)
             self.current_item = item
-        item["content"] += text
+        # Taken out of the item while it grows: a string nothing else holds is
+        # extended in place, where `item["content"] += text` copies it all
+        # (per token: about 4 µs at 100 KB of text).
+        content, item["content"] = item["content"], ""
+        content += text
+        item["content"] = content
         conv.add_bytes(text)
         return item
 
@@ -114,7 +119,9 @@ class Response:
             )
             self._add_output(conv, item)
             self.calls[index] = item
-        item["arguments"] += arguments
+        args, item["arguments"] = item["arguments"], ""  # in place, as in append_text
+        args += arguments
+        item["arguments"] = args
         conv.add_bytes(arguments)
         return item
 

@@ -32,7 +32,8 @@ from ..core.outbox import Outbox
 from ..storage.eventlog import EventLog, Fenced, Frame, LogState
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_SLOW_CLIENT
-from .ws import close_or_abort, unless_closed
+from .flag import Flag
+from .ws import close_or_abort, unless_closed, write_messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +92,12 @@ class Delivery:
         self.paused = False  # the owner paused generations for this client
         self.closed_for: str | None = None  # why we closed the socket ourselves
         self.stopped = False  # the session ended or moved: log nothing more
+        # The writer task runs only while there is work: idle, a socket has none.
         self._writer: asyncio.Task[None] | None = None
+        self._writing = False  # between start_writer and stop_writer
         self._log_lock = asyncio.Lock()  # one durable batch at a time, in seq order
-        self._wakeup = asyncio.Event()
-        self.drained = asyncio.Event()  # set while below the hard cap
+        self._wakeup = Flag()
+        self.drained = Flag()  # set while below the hard cap
         self.drained.set()
         self._stall_timer: asyncio.TimerHandle | None = None
         self._slow_timer: asyncio.TimerHandle | None = None
@@ -175,15 +178,16 @@ class Delivery:
         else through the outbox and the writer task."""
         ws = self._writable_now()
         if ws is not None:
-            self._write_now(ws, events)
+            # The outbox is empty: what waits is in the socket's buffer.
+            buffered = self._write_now(ws, events)
         else:
             self.outbox.extend(events)
-            self._wakeup.set()
-        buffered = self.buffered_amount
+            self._wake()
+            buffered = self.buffered_amount
         if buffered > self.pace.high_water:
             # Only the writer task sees the client catch up and stops the
             # clocks; a direct write did not wake it.
-            self._wakeup.set()
+            self._wake()
             if self.ws is not None:
                 self._arm_clocks()
             if buffered > self.pace.hard_cap:
@@ -192,51 +196,51 @@ class Delivery:
     def enqueue(self, event: dict[str, Any]) -> None:
         """An event that waits its turn behind everything queued, for the writer."""
         self.outbox.push(event)
-        self._wakeup.set()
+        self._wake()
 
     def send_first(self, event: dict[str, Any]) -> None:
         """An event that goes ahead of everything queued (session.resumed)."""
         self.outbox.push_front(event)
-        self._wakeup.set()
+        self._wake()
 
     def _writable_now(self) -> ServerConnection | None:
         """The socket, when events may skip the queue and the writer task: no
         log to write first, nothing queued ahead, and a client that keeps up
-        (the socket's buffer is empty)."""
+        (the socket's buffer is empty). Run per token: `behind()` inlined."""
         ws = self.ws
-        if (
-            ws is None
-            or not self.live
-            or self._durable
-            or len(self.outbox)
-            or self.behind()
-            or ws.protocol.state is not State.OPEN
-            or ws.transport is None
-            or ws.transport.is_closing()
-            or ws.transport.get_write_buffer_size()
-        ):
+        if ws is None or not self.live or self._durable or self.paused or len(self.outbox):
             return None
-        return ws
+        if self._stall_timer or self._slow_timer or not self.drained.is_set():
+            return None
+        transport = ws.transport
+        if transport is None or transport.get_write_buffer_size() or transport.is_closing():
+            return None
+        return ws if ws.protocol.state is State.OPEN else None
 
-    def _write_now(self, ws: ServerConnection, events: list[dict[str, Any]]) -> None:
-        """Frame and write `events` in one go, without a task switch per event.
+    def _write_now(self, ws: ServerConnection, events: list[dict[str, Any]]) -> int:
+        """Number, log, frame and write `events` in one go, without a task
+        switch per event; returns what the socket's buffer holds after the write.
 
         What `ws.send` does for one frame, minus its wait for the buffer to
-        drain (the buffer is empty, and the caller checks buffered_amount).
+        drain (the buffer is empty, and the caller checks what it holds now).
         Order holds because `ws.send` too writes its frame before it first
-        awaits, and we never send fragmented messages."""
-        protocol, dialect = ws.protocol, self.dialect
+        awaits, and we never send fragmented messages. Per token: `_log_frame`
+        inlined."""
+        dialect = self.dialect
+        number, encode, append = self.outbox.number, dialect.encode, self.log.append
+        messages: list[Frame] = []
         for event in events:
-            self.outbox.number(event)
-            frame = self._log_frame(event)
-            self.sent_seq = event["seq"]
-            for out in (frame,) if dialect.single_frame else dialect.frames(event):
-                if isinstance(out, bytes):
-                    protocol.send_binary(out)
-                else:
-                    protocol.send_text(out.encode())
-        ws.transport.writelines(protocol.data_to_send())
+            seq = number(event)
+            frame = encode(event)
+            append(seq, event, frame)
+            self.logged_seq = self.sent_seq = seq
+            if dialect.single_frame:
+                messages.append(frame)
+            else:
+                messages.extend(dialect.frames(event))
+        write_messages(ws, messages)
         self.sent_directly += len(events)
+        return ws.transport.get_write_buffer_size()
 
     def _log_frame(self, event: dict[str, Any]) -> Frame:
         """Encode a numbered event and append it to the log."""
@@ -322,21 +326,25 @@ class Delivery:
     # -- the writer task ---------------------------------------------------------
 
     def start_writer(self) -> None:
-        if self._writer is None or self._writer.done():
+        self._writing = True
+        self._wake()  # events may have queued up meanwhile
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+        if self._writing and self._writer is None:
             self._writer = asyncio.create_task(self._write_loop())
-        self._wakeup.set()  # events may have queued up meanwhile
 
     async def stop_writer(self) -> None:
-        if self._writer is not None:
-            self._writer.cancel()
+        self._writing = False
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
-            self._writer = None
+                await writer
 
     async def _write_loop(self) -> None:
         try:
-            while True:
-                await self._wakeup.wait()
+            while self._wakeup.is_set():  # else it ends; `_wake` starts another
                 self._wakeup.clear()
                 try:
                     await self._write_queued()
@@ -357,12 +365,15 @@ class Delivery:
                     self.live = False
                     self.drained.set()  # never leave the reader waiting on a dead socket
                     if not self.log.durable:
+                        self._writing = False  # until a socket attaches again
                         return
                     self._wakeup.set()  # keep logging what is queued
         except Fenced:
             await self._owner.lost_ownership()
         finally:
             self.drained.set()
+            if self._writer is asyncio.current_task():
+                self._writer = None
 
     async def _write_queued(self) -> None:
         """Log what is queued, then send it to the socket if one is live."""

@@ -35,6 +35,7 @@ from ..storage.eventlog import EventLog, LogState, MemoryLog, resume_problem
 from ..wire import Dialect, dialect_for
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
 from .delivery import Delivery, Pace
+from .flag import Flag
 from .telemetry import Telemetry
 
 log = get_logger("tokenwire.runtime")
@@ -67,7 +68,48 @@ class KeyQuota(Quota, Protocol):
 FindSession = Callable[[SessionResume, str | None, "SessionRuntime"], Awaitable[Any]]
 
 
+class SessionLog:
+    """A runtime's log lines, with its session's and key's ids: what a
+    structlog logger bound to them writes, for a tenth of its memory (about
+    400 bytes a session, and most of these lines are below the log level)."""
+
+    __slots__ = ("key_id", "session_id")
+
+    def __init__(self, session_id: str, key_id: str | None) -> None:
+        self.session_id, self.key_id = session_id, key_id
+
+    def info(self, event: str, **fields: Any) -> None:
+        log.info(event, session_id=self.session_id, key_id=self.key_id, **fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        log.warning(event, session_id=self.session_id, key_id=self.key_id, **fields)
+
+    def exception(self, event: str, **fields: Any) -> None:
+        log.exception(event, session_id=self.session_id, key_id=self.key_id, **fields)
+
+
 class SessionRuntime:
+    __slots__ = (
+        "_find_session",
+        "_telemetry",
+        "_timers",
+        "config",
+        "delivery",
+        "detached",
+        "drained",
+        "engine",
+        "expiry",
+        "follower",
+        "log",
+        "on_moved",
+        "resuming",
+        "session",
+        "stages",
+        "state",
+        "tasks",
+        "usage",
+    )
+
     def __init__(
         self,
         engine: Engine,
@@ -136,14 +178,14 @@ class SessionRuntime:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}  # tool timeouts, by response id
         self.state = RuntimeState.NEW if restored is None else RuntimeState.DETACHED
-        self.detached = asyncio.Event()  # set while no socket is attached
+        self.detached = Flag()  # set while no socket is attached
         self.detached.set()
         self.expiry: asyncio.TimerHandle | None = None  # end of the resume grace period
         # The follower serving this session's client from another instance.
         self.follower: str | None = None
         self.on_moved: Callable[[SessionRuntime], None] | None = None  # set by the registry
         self.resuming: asyncio.Task[None] | None = None
-        self.log = log.bind(session_id=self.session.id, key_id=usage.key_id if usage else None)
+        self.log = SessionLog(self.session.id, usage.key_id if usage else None)
         self._telemetry = Telemetry(self.log, config.log_content)
 
     @property

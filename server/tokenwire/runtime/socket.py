@@ -14,7 +14,7 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 
 from ..core.schema import SessionResume
 from ..wire import Dialect
@@ -78,6 +78,17 @@ class SocketOwner(Protocol):
 
 
 class ClientSocket:
+    __slots__ = (
+        "_closer",
+        "_idle_timer",
+        "_last_frame",
+        "closed_for",
+        "dialect",
+        "idle_timeout_s",
+        "state",
+        "ws",
+    )
+
     def __init__(self, ws: ServerConnection, dialect: Dialect, idle_timeout_s: float) -> None:
         self.ws = ws
         self.dialect = dialect
@@ -107,7 +118,10 @@ class ClientSocket:
             self.state = SocketState.LIVE
             self._last_frame = loop.time()
             self._idle_timer = loop.call_later(self.idle_timeout_s, self._check_idle, owner)
-            async for frame in ws:
+            # recv(), not `async for`: websockets' iterator is an async
+            # generator, a few hundred bytes more per socket.
+            while True:
+                frame = await ws.recv()
                 self._last_frame = loop.time()
                 resume = owner.receive(frame, first=first)
                 first = False
@@ -120,8 +134,8 @@ class ClientSocket:
                     # Upstream backpressure: read nothing more until the client
                     # reads what it asked for (TCP then slows the sender).
                     await unless_closed(ws, owner.drained.wait())
-            else:
-                outcome = "ended"  # the client closed the connection itself
+        except ConnectionClosedOK:
+            outcome = "ended"  # the client closed the connection itself
         except ConnectionClosed as exc:
             if exc.rcvd is not None and exc.rcvd.code in (1000, 1001):
                 outcome = "ended"

@@ -1,14 +1,18 @@
-"""Two waits on a websockets connection that the socket and delivery share."""
+"""Two waits on a websockets connection that the socket and delivery share,
+and the server's data frames, framed here for the per-token path."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+import struct
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosedError
+
+from ..wire import Frame
 
 
 async def unless_closed(ws: ServerConnection, awaitable: Awaitable[Any]) -> None:
@@ -31,3 +35,47 @@ async def close_or_abort(ws: ServerConnection, code: int, reason: str) -> None:
         await asyncio.wait_for(ws.close(code, reason), 1)
     if ws.transport is not None:
         ws.transport.abort()
+
+
+# RFC 6455 section 5.2: FIN set, opcode text (1) or binary (2); a server's
+# frames are not masked. Headers of payloads under 126 bytes (every delta),
+# made once.
+_TEXT = [bytes((0x81, n)) for n in range(126)]
+_BINARY = [bytes((0x82, n)) for n in range(126)]
+
+
+def data_frame(message: str | bytes) -> bytes:
+    """One unfragmented, unmasked data frame: text for a str, binary for bytes,
+    as websockets' `Protocol.send_text` and `send_binary` serialize it when no
+    extension is negotiated, for about a sixth of their cost (a Frame object,
+    its checks and a BytesIO per frame)."""
+    if isinstance(message, bytes):
+        payload, short, opcode = message, _BINARY, 0x82
+    else:
+        payload, short, opcode = message.encode(), _TEXT, 0x81
+    n = len(payload)
+    if n < 126:
+        return short[n] + payload
+    if n < 65536:
+        return struct.pack("!BBH", opcode, 126, n) + payload
+    return struct.pack("!BBQ", opcode, 127, n) + payload
+
+
+def write_messages(ws: ServerConnection, messages: Sequence[Frame]) -> None:
+    """Write whole messages to an open connection at once, in one write: what
+    `ws.send` writes for each, without its wait for the buffer to drain."""
+    transport, protocol = ws.transport, ws.protocol
+    if protocol.extensions:  # one (compression) transforms frames: websockets frames them
+        for message in messages:
+            if isinstance(message, bytes):
+                protocol.send_binary(message)
+            else:
+                protocol.send_text(message.encode())
+        transport.writelines(protocol.data_to_send())
+        return
+    if protocol.writes:  # websockets writes its own frames at once: never, in practice
+        transport.writelines(protocol.data_to_send())
+    if len(messages) == 1:
+        transport.write(data_frame(messages[0]))
+    else:
+        transport.writelines([data_frame(m) for m in messages])

@@ -29,6 +29,7 @@ from ..wire.close_codes import CLOSE_TRY_AGAIN_LATER
 from .admission import Admission
 from .body import BodyConnection, BodyError
 from .client_secrets import ClientSecrets
+from .heartbeat import Heartbeat
 from .http import error_response, http_response, json_response, static_route
 from .registry import Registry
 from .tls import server_context
@@ -73,6 +74,9 @@ class TokenwireServer:
         self.registry.stages = build_stages(config, self.store, self.admission.keys)
         self._server: Server | None = None
         self._engine_task: asyncio.Task[None] | None = None
+        # Keepalive pings for every connection (websockets' own: a task each).
+        interval = config.ping_interval_s
+        self.heartbeat = Heartbeat(interval, interval) if interval > 0 else None
         self.draining = False
 
     @property
@@ -177,6 +181,11 @@ class TokenwireServer:
     # -- WebSocket ----------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
+        # Nothing reads the handshake again: its headers (about 4 KiB) need not
+        # live as long as the socket. The request stays (websockets' parser
+        # holds it too), emptied.
+        ws.request.headers.clear()
+        ws.response = None
         admitted = self.admission.connect(ws, len(self.connections))
         if admitted is None:
             await ws.close(CLOSE_TRY_AGAIN_LATER, "too_many_connections")
@@ -187,6 +196,8 @@ class TokenwireServer:
             usage, ws.subprotocol, settings=settings
         )
         resume_from: int | None = None
+        if self.heartbeat is not None:
+            self.heartbeat.add(ws)
         try:
             while True:
                 outcome = await self._serve(ws, dialect, runtime, resume_from)
@@ -211,6 +222,8 @@ class TokenwireServer:
                     await self.registry.end_session(runtime)
         finally:
             self.admission.disconnect(usage)
+            if self.heartbeat is not None:
+                self.heartbeat.discard(ws)
 
     async def _serve(
         self,
@@ -242,6 +255,8 @@ class TokenwireServer:
         self._engine_task.add_done_callback(_ignore_result)
         self._engine_task.add_done_callback(_freeze_heap)
         self._engine_task.add_done_callback(self._check_priority_lanes)
+        if self.heartbeat is not None:
+            self.heartbeat.start()
         self._server = await serve(
             self._handle,
             self.config.host,
@@ -256,8 +271,7 @@ class TokenwireServer:
             select_subprotocol=lambda _, offered: select_subprotocol(offered),
             max_size=self.config.max_message_bytes,
             compression=None,  # per-message deflate costs CPU per token and memory per socket
-            ping_interval=self.config.ping_interval_s,
-            ping_timeout=self.config.ping_interval_s,
+            ping_interval=None,  # self.heartbeat pings
             # Inbound frames queued before websockets stops reading the socket.
             max_queue=self.config.max_inbound_frames,
             # A client that does not answer our close frame (often one that
@@ -338,6 +352,9 @@ class TokenwireServer:
             await self._server.wait_closed()
         for runtime in list(self.sessions.values()):
             await self.registry.end_session(runtime)
+        self.registry.reclaimer.cancel()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self._engine_task is not None and not self._engine_task.done():
             self._engine_task.cancel()
         await self.engine.close()

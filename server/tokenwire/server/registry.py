@@ -19,6 +19,7 @@ from ..storage.eventlog import EventLog, resume_problem
 from ..storage.redis import Meta, RedisStore
 from ..storage.redis_log import RedisLog
 from .admission import KeyUsage, Limiter
+from .memory import Reclaimer
 
 
 class Registry:
@@ -32,6 +33,7 @@ class Registry:
         self.sessions: dict[str, SessionRuntime] = {}
         self.stages: tuple[Stage, ...] = ()  # what every new session's generations pass through
         self._expiring: set[asyncio.Task[None]] = set()
+        self.reclaimer = Reclaimer()
 
     def _log_for(self, session_id: str, logged_seq: int) -> EventLog:
         assert self.store is not None
@@ -141,6 +143,7 @@ class Registry:
 
     async def end_session(self, runtime: SessionRuntime) -> None:
         self.forget(runtime)
+        self.reclaimer.session_ended(len(self.sessions))
         if runtime.state is RuntimeState.HANDED_OVER:
             return  # it lives on elsewhere
         await runtime.end()

