@@ -77,6 +77,12 @@ class TokenwireServer:
         # Keepalive pings for every connection (websockets' own: a task each).
         interval = config.ping_interval_s
         self.heartbeat = Heartbeat(interval, interval) if interval > 0 else None
+        tables = self.registry.reclaimer.tables
+        tables += [
+            self.connections,
+            self.followers,
+            *(self.heartbeat.slots if self.heartbeat else ()),
+        ]
         self.draining = False
 
     @property

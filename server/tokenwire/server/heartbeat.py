@@ -31,7 +31,7 @@ class Heartbeat:
         slots = max(1, math.ceil(interval_s / tick_s))
         self.tick_s = interval_s / slots
         self.timeout_s = timeout_s
-        self._slots: list[set[ServerConnection]] = [set() for _ in range(slots)]
+        self.slots: list[set[ServerConnection]] = [set() for _ in range(slots)]
         self._turn = 0  # the slot the next tick pings
         self._joining = 0  # the slot the next connection joins
         # Connections whose ping has no pong yet, and when it was written.
@@ -51,16 +51,16 @@ class Heartbeat:
 
     def add(self, ws: ServerConnection) -> None:
         # In turn: a burst of connections is pinged over the interval.
-        self._slots[self._joining].add(ws)
-        self._joining = (self._joining + 1) % len(self._slots)
+        self.slots[self._joining].add(ws)
+        self._joining = (self._joining + 1) % len(self.slots)
 
     def discard(self, ws: ServerConnection) -> None:
-        for slot in self._slots:
+        for slot in self.slots:
             slot.discard(ws)
         self._sent.pop(ws, None)
 
     def __len__(self) -> int:
-        return sum(len(slot) for slot in self._slots)
+        return sum(len(slot) for slot in self.slots)
 
     def _tick(self) -> None:
         loop = asyncio.get_running_loop()
@@ -70,8 +70,8 @@ class Heartbeat:
             if now - sent >= self.timeout_s:
                 del self._sent[ws]
                 self._spawn(ws.close(CloseCode.INTERNAL_ERROR, "keepalive ping timeout"))
-        slot = self._slots[self._turn]
-        self._turn = (self._turn + 1) % len(self._slots)
+        slot = self.slots[self._turn]
+        self._turn = (self._turn + 1) % len(self.slots)
         for ws in slot:
             if ws not in self._sent:  # else its last ping still waits for a pong
                 self._sent[ws] = _WRITING

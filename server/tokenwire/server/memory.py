@@ -1,58 +1,91 @@
 """Memory back to the OS after sessions end.
 
 A session and its socket are reference cycles: they wait for a full garbage
-collection, which the thresholds `app._freeze_heap` sets make rare, and which
-an idle server never reaches. What they freed then stays in the process:
-glibc keeps freed pages for reuse until `malloc_trim` returns them. So once
-enough sessions have ended (at least `MIN_ENDED`, and twice as many as are
-still open, which bounds the collection's cost per ended session),
-`Reclaimer` collects and trims, a moment later so the sockets' teardown is
-done.
+collection, which the thresholds `app._freeze_heap` sets make rare and an
+idle server never reaches. What they free then stays in the process: glibc
+keeps freed pages for reuse until `malloc_trim` returns them, and pymalloc
+returns a 1 MiB arena only once every object in it is gone, which a few
+objects that outlive a wave (free lists, caches) prevent for most of them.
+
+So `tokenwire serve` runs on the system allocator (`cli._system_allocator`),
+and `Reclaimer` collects and trims once a wave of sessions has ended: at
+least `MIN_ENDED` sessions, and twice as many as are still open (which
+bounds the collection's cost per ended session). It waits until sessions
+stop ending for `QUIET_S` (at most `MAX_WAIT_S`), so a wave is reclaimed
+once, and reclaims again when the last of a wave ends. It also shrinks the
+server's tables of sessions and connections: a dict or set keeps the table
+it grew to after its entries are gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import gc
+import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ..logs import get_logger
 
 log = get_logger("tokenwire.memory")
 
 MIN_ENDED = 256  # sessions; fewer are not worth a full collection
-DELAY_S = 0.25  # after the trigger: the last sockets finish closing
+QUIET_S = 0.25  # no session ended for this long: the wave is over
+MAX_WAIT_S = 2.0  # a wave that goes on is reclaimed this long after it started
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None elsewhere (musl, macOS)."""
-    name = ctypes.util.find_library("c")
+def glibc() -> ctypes.CDLL | None:
+    """The C library if it is glibc, whose allocator this tunes; else None."""
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
+        return ctypes.CDLL(None) if os.confstr("CS_GNU_LIBC_VERSION") else None
+    except (ValueError, OSError):  # not glibc (musl, macOS)
         return None
 
 
 class Reclaimer:
-    def __init__(self, trim: Callable[[int], int] | None = None) -> None:
-        self._trim = trim if trim is not None else _malloc_trim()
+    def __init__(self, trim: Callable[[int], Any] | None = None) -> None:
+        if trim is None:
+            libc = glibc()
+            trim = libc.malloc_trim if libc is not None else None
+        self._trim = trim
         self.ended = 0  # sessions ended since the last reclaim
         self.reclaims = 0
+        self.tables: list[dict[Any, Any] | set[Any]] = []  # to shrink (see the module doc)
+        self._open = 0  # sessions open at the last end
+        self._tail = False  # the last reclaim left sessions of its wave open
+        self._first = self._last = 0.0  # the wave's first and last end since the trigger
         self._pending: asyncio.TimerHandle | None = None
 
     def session_ended(self, still_open: int) -> None:
         self.ended += 1
-        if self._pending is None and self.ended >= max(MIN_ENDED, 2 * still_open):
-            self._pending = asyncio.get_running_loop().call_later(DELAY_S, self.reclaim)
+        self._open = still_open
+        loop = asyncio.get_running_loop()
+        if self._pending is not None:
+            self._last = loop.time()
+        elif self.ended >= max(MIN_ENDED, 2 * still_open) or (self._tail and not still_open):
+            self._first = self._last = loop.time()
+            self._pending = loop.call_later(QUIET_S, self._check)
+
+    def _check(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now - self._last < QUIET_S and now - self._first < MAX_WAIT_S:
+            self._pending = loop.call_later(QUIET_S - (now - self._last), self._check)
+            return
+        self._pending = None
+        self._tail = self._open > 0
+        self.reclaim()
 
     def reclaim(self) -> None:
-        self._pending = None
         started, ended = time.perf_counter(), self.ended
         self.ended = 0
         self.reclaims += 1
+        for table in self.tables:
+            kept = table.copy()
+            table.clear()  # frees the table, even an empty one
+            table.update(kept)  # type: ignore[arg-type]
         freed = gc.collect()
         if self._trim is not None:
             self._trim(0)

@@ -34,6 +34,7 @@ class Registry:
         self.stages: tuple[Stage, ...] = ()  # what every new session's generations pass through
         self._expiring: set[asyncio.Task[None]] = set()
         self.reclaimer = Reclaimer()
+        self.reclaimer.tables.append(self.sessions)
 
     def _log_for(self, session_id: str, logged_seq: int) -> EventLog:
         assert self.store is not None

@@ -1,0 +1,154 @@
+"""Memory back to the OS after a wave of sessions (server.memory): the
+Reclaimer collects and trims once per wave, keeps what the server's tables
+hold, and `tokenwire serve` runs on the system allocator unless told not to."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import pytest
+from websockets.asyncio.client import connect as ws_connect
+
+from tokenwire.config import ServerConfig
+from tokenwire.server import memory
+from tokenwire.server.memory import Reclaimer
+
+from ..conftest import _scripted_server, spawn_server
+
+
+@pytest.fixture
+def fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "MIN_ENDED", 4)
+    monkeypatch.setattr(memory, "QUIET_S", 0.05)
+    monkeypatch.setattr(memory, "MAX_WAIT_S", 0.4)
+
+
+class Trim:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, pad: int) -> int:
+        self.calls.append(pad)
+        return 1
+
+
+@pytest.mark.usefixtures("fast")
+async def test_a_wave_is_reclaimed_once_after_it_ends() -> None:
+    trim = Trim()
+    reclaimer = Reclaimer(trim)
+    for still_open in range(9, -1, -1):  # 10 sessions end, one every 10 ms
+        reclaimer.session_ended(still_open)
+        await asyncio.sleep(0.01)
+    assert reclaimer.reclaims == 0  # still ending: wait for quiet
+    await asyncio.sleep(0.15)
+    assert reclaimer.reclaims == 1 and trim.calls == [0]
+    assert reclaimer.ended == 0
+
+
+@pytest.mark.usefixtures("fast")
+async def test_few_ended_or_many_still_open_do_not_reclaim() -> None:
+    trim = Trim()
+    reclaimer = Reclaimer(trim)
+    for _ in range(3):  # under MIN_ENDED
+        reclaimer.session_ended(0)
+    await asyncio.sleep(0.1)
+    for _ in range(10):  # 13 ended, but 100 still open: a collection costs too much
+        reclaimer.session_ended(100)
+    await asyncio.sleep(0.1)
+    assert reclaimer.reclaims == 0 and trim.calls == []
+    for still_open in range(6, 0, -1):  # 19 ended, 1 open
+        reclaimer.session_ended(still_open)
+    await asyncio.sleep(0.1)
+    assert reclaimer.reclaims == 1
+
+
+@pytest.mark.usefixtures("fast")
+async def test_a_wave_that_goes_on_is_reclaimed_at_the_latest_after_max_wait() -> None:
+    reclaimer = Reclaimer(Trim())
+    for _ in range(70):  # endings every 10 ms for 0.7 s: never quiet
+        reclaimer.session_ended(0)
+        await asyncio.sleep(0.01)
+    assert reclaimer.reclaims >= 1
+
+
+@pytest.mark.usefixtures("fast")
+async def test_the_tail_of_a_wave_is_reclaimed_when_its_last_session_ends() -> None:
+    reclaimer = Reclaimer(Trim())
+    for _ in range(8):
+        reclaimer.session_ended(3)  # 8 ended, 3 still open: reclaim, with a tail
+    await asyncio.sleep(0.1)
+    assert reclaimer.reclaims == 1
+    for still_open in (2, 1):
+        reclaimer.session_ended(still_open)
+    await asyncio.sleep(0.1)
+    assert reclaimer.reclaims == 1  # 2 ended: not yet
+    reclaimer.session_ended(0)  # the last one
+    await asyncio.sleep(0.1)
+    assert reclaimer.reclaims == 2
+
+
+async def test_tables_keep_their_entries_and_give_back_their_size() -> None:
+    reclaimer = Reclaimer(Trim())
+    sessions = {f"s{i}": i for i in range(10_000)}
+    sockets = set(range(10_000))
+    grown = sys.getsizeof(sessions), sys.getsizeof(sockets)
+    for i in range(1, 10_000):
+        del sessions[f"s{i}"]
+        sockets.discard(i)
+    assert (sys.getsizeof(sessions), sys.getsizeof(sockets)) == grown  # what a dict keeps
+    reclaimer.tables += [sessions, sockets]
+    reclaimer.reclaim()
+    assert sessions == {"s0": 0} and sockets == {0}
+    assert sys.getsizeof(sessions) < grown[0] / 100
+    assert sys.getsizeof(sockets) < grown[1] / 100
+
+
+@pytest.mark.usefixtures("fast")
+async def test_a_server_reclaims_after_a_wave_and_open_sessions_go_on() -> None:
+    config = ServerConfig(engine="scripted", port=0, scripted_tokens_per_s=1000.0)
+    async with _scripted_server(config) as running:
+        reclaimer = running.server.registry.reclaimer
+        trim = Trim()
+        reclaimer._trim = trim  # type: ignore[assignment]
+        async with ws_connect(running.url) as stays:
+            created = json.loads(await stays.recv())
+            assert created["type"] == "session.created"
+            for _ in range(6):  # a wave: 6 sessions open and close
+                async with ws_connect(running.url) as ws:
+                    await ws.recv()
+            await asyncio.sleep(0.3)
+            assert reclaimer.reclaims >= 1 and trim.calls
+            assert len(running.server.connections) == 1  # the tables kept the open one
+            await stays.send(
+                json.dumps(
+                    {
+                        "type": "response.create",
+                        "response": {"ignore_eos": True, "max_output_tokens": 3},
+                    }
+                )
+            )
+            types = []
+            async with asyncio.timeout(10):
+                while "response.done" not in types:
+                    types.append(json.loads(await stays.recv())["type"])
+            assert "response.output_text.delta" in types
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def test_serve_runs_on_the_system_allocator_unless_pythonmalloc_is_set() -> None:
+    with spawn_server("--engine", "scripted") as spawned:
+        env = _environ(spawned.proc.pid)  # the environment it was re-executed with
+        assert env.get("PYTHONMALLOC") == "malloc"
+    mine = {**os.environ, "PYTHONMALLOC": "pymalloc"}
+    with spawn_server("--engine", "scripted", env=mine) as spawned:
+        env = _environ(spawned.proc.pid)
+        assert env.get("PYTHONMALLOC") == "pymalloc"
+        assert "_TOKENWIRE_SYSTEM_MALLOC" not in env
