@@ -92,7 +92,7 @@ clean:
 # Every benchmark, one after the other (they must not share the 2 cores);
 # results go to benchmarks/results/ (JSON, Markdown, PNG). About 50 minutes.
 BENCHMARKS := first_answer steer_tool_latency backpressure vs_vllm engine_ceiling \
-	cancel_steer_latency gateway_ceiling connections priority remote
+	cancel_steer_latency gateway_ceiling connections priority remote efficiency
 
 bench: install-test model
 	@for b in $(BENCHMARKS); do \

@@ -114,10 +114,13 @@ def http_ok(url: str, check: Callable[[Any], bool] = lambda _: True) -> bool:
 
 @contextmanager
 def tokenwire_process(
-    *args: str, log_name: str | None = None, timeout: float = 600
+    *args: str,
+    log_name: str | None = None,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Yields the ws:// URL of a fresh server run with `args`, and its process
-    (for its pid: RSS, CPU time)."""
+    """Yields the ws:// URL of a fresh server run with `args` (and `env` added
+    to this process's environment), and its process (for its pid: RSS, CPU time)."""
     port = free_port()
     with server_process(
         [sys.executable, "-m", "tokenwire", "serve", "--port", str(port), *args],
@@ -126,6 +129,7 @@ def tokenwire_process(
             f"http://127.0.0.1:{port}/readyz", lambda body: json.loads(body).get("ready")
         ),
         timeout=timeout,
+        env={**os.environ, **env} if env else None,
     ) as proc:
         yield f"ws://127.0.0.1:{port}/v1/realtime", proc
 

@@ -17,7 +17,8 @@ Steps, all on one server:
    tokens at `--rate` tokens/s (starts spread over one token interval). RSS
    is sampled all along, and `/healthz` polled to confirm that the server had
    every session open and every generation running at once;
-5. closed: every client closes; RSS after.
+5. closed: every client closes; RSS after, and 5 s later, once the server
+   has handed a wave's memory back (target: within 15% of the idle RSS).
 Steps 2-5 run `--rounds` times on the same server: if the second round ends
 where the first did, memory kept after close is reused, not leaked.
 
@@ -130,6 +131,9 @@ def one_round(
         stream["other_cores"] = max(0.0, busy_cpu_seconds() - busy - ours_cpu) / wall
         stream["other_cores_before"] = quiet
     rss_closed = settled_rss(pid)
+    # The server hands memory back once a wave is over (server/memory.py: at
+    # most 2 s after the sessions end); wait past that.
+    rss_returned = settled_rss(pid, 5.0)
     with urllib.request.urlopen(sampler.health_url, timeout=10) as resp:
         after = json.loads(resp.read())  # every session gone, nothing running?
     mid = [h for t, h in sampler.health if t_stream <= t <= t_end]
@@ -139,6 +143,7 @@ def one_round(
         "rss_connected_kib": rss_connected,
         "rss_streaming_peak_kib": sampler.peak_kib(t_stream, t_end),
         "rss_closed_kib": rss_closed,
+        "rss_returned_kib": rss_returned,
         "connect": connected,
         "stream": stream,
         # What the server itself saw while streaming: every session open, all running?
@@ -165,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "--log-level",
         "warning",
         log_name="connections-tokenwire.log",
+        env={"PYTHONMALLOC": args.pythonmalloc} if args.pythonmalloc else None,
     ) as (url, proc):
         port = int(url.rsplit(":", 1)[1].split("/")[0])
         rss_start = settled_rss(proc.pid, 0.5)
@@ -210,7 +216,9 @@ def table(report: dict[str, Any]) -> str:
 
     lines = [
         f"{n:,} sessions on one `tokenwire serve --engine scripted` process, each streaming "
-        f"{report['tokens']} tokens at {report['rate']:g} tokens/s; {len(rounds)} rounds of "
+        f"{report['tokens']} tokens at {report['rate']:g} tokens/s"
+        + (f", `PYTHONMALLOC={report['pythonmalloc']}`" if report.get("pythonmalloc") else "")
+        + f"; {len(rounds)} rounds of "
         "connect, stream and close on the same server. Clients in "
         f"{report['workers']} processes on the same {m['cpus']} cores ({m['cpu']}); "
         f"{code_note(m, report['code_changed_during_run'])}. Server RSS at start "
@@ -223,6 +231,11 @@ def table(report: dict[str, Any]) -> str:
         row("server RSS, all connected, idle", lambda r: mib(r["rss_connected_kib"])),
         row("server RSS, all streaming (peak)", lambda r: mib(r["rss_streaming_peak_kib"])),
         row("server RSS after all closed", lambda r: mib(r["rss_closed_kib"])),
+        row("server RSS 5 s later", lambda r: mib(r["rss_returned_kib"])),
+        row(
+            "**RSS 5 s after close / idle RSS**",
+            lambda r: f"**{r['rss_returned_kib'] / report['rss_idle_kib']:.2f}x**",
+        ),
         row(
             "**RSS per connection, connected**",
             lambda r: f"**{r['kib_per_connection_connected']:.1f} KiB**",
@@ -337,14 +350,21 @@ def main() -> None:
         default=30,
         help="seconds to wait, before streaming, for other processes to go idle",
     )
+    parser.add_argument(
+        "--pythonmalloc",
+        choices=["malloc", "pymalloc"],
+        help="the server's PYTHONMALLOC; results then go to connections-<value>.*",
+    )
     args = parser.parse_args()
     trace_gc()
     report = run(args)
+    report["pythonmalloc"] = args.pythonmalloc
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "connections.json").write_text(json.dumps(report, indent=2))
+    name = f"connections-{args.pythonmalloc}" if args.pythonmalloc else "connections"
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     text = table(report)
-    (RESULTS / "connections.md").write_text(text)
-    plot(report, RESULTS / "connections_rss.png")
+    (RESULTS / f"{name}.md").write_text(text)
+    plot(report, RESULTS / f"{name}_rss.png")
     print(text)
 
 

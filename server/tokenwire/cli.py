@@ -161,40 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _system_allocator() -> None:
-    """Start `tokenwire serve` again on the system allocator, whose freed
-    memory goes back to the OS after a wave of sessions (server/memory.py);
-    PYTHONMALLOC is read only at start-up. A PYTHONMALLOC of the user's is
-    kept, and this process's children (vLLM's engine core) get the default."""
-    if os.environ.pop(_RESTARTED, None):
-        os.environ.pop("PYTHONMALLOC", None)  # ours: for this process only
-        return
-    try:
-        glibc = bool(os.confstr("CS_GNU_LIBC_VERSION"))
-    except (ValueError, OSError):
-        glibc = False  # musl, macOS: malloc_trim is glibc's
-    if "PYTHONMALLOC" in os.environ or not glibc:
-        return
-    os.environ.update({"PYTHONMALLOC": "malloc", _RESTARTED: "1"})
-    try:
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-    except OSError:  # go on as we are
-        del os.environ["PYTHONMALLOC"], os.environ[_RESTARTED]
-
-
-_RESTARTED = "_TOKENWIRE_SYSTEM_MALLOC"
-
-
 def main(argv: list[str] | None = None) -> int:
-    own_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_argv: list[str] = []
     if "--" in argv:  # `serve [ours] -- [vLLM's]`
         cut = argv.index("--")
         argv, vllm_argv = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
-    if own_process and args.command == "serve":
-        _system_allocator()
     if args.command == "models":
         from .models import ModelError, prepare_default_model
 

@@ -1,12 +1,11 @@
 """Memory back to the OS after a wave of sessions (server.memory): the
 Reclaimer collects and trims once per wave, keeps what the server's tables
-hold, and `tokenwire serve` runs on the system allocator unless told not to."""
+hold."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 
 import pytest
@@ -16,7 +15,7 @@ from tokenwire.config import ServerConfig
 from tokenwire.server import memory
 from tokenwire.server.memory import Reclaimer
 
-from ..conftest import _scripted_server, spawn_server
+from ..conftest import _scripted_server
 
 
 @pytest.fixture
@@ -135,20 +134,3 @@ async def test_a_server_reclaims_after_a_wave_and_open_sessions_go_on() -> None:
                 while "response.done" not in types:
                     types.append(json.loads(await stays.recv())["type"])
             assert "response.output_text.delta" in types
-
-
-def _environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
-    return {k.decode(): v.decode() for k, v in pairs}
-
-
-def test_serve_runs_on_the_system_allocator_unless_pythonmalloc_is_set() -> None:
-    with spawn_server("--engine", "scripted") as spawned:
-        env = _environ(spawned.proc.pid)  # the environment it was re-executed with
-        assert env.get("PYTHONMALLOC") == "malloc"
-    mine = {**os.environ, "PYTHONMALLOC": "pymalloc"}
-    with spawn_server("--engine", "scripted", env=mine) as spawned:
-        env = _environ(spawned.proc.pid)
-        assert env.get("PYTHONMALLOC") == "pymalloc"
-        assert "_TOKENWIRE_SYSTEM_MALLOC" not in env

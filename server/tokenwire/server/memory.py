@@ -7,10 +7,11 @@ keeps freed pages for reuse until `malloc_trim` returns them, and pymalloc
 returns a 1 MiB arena only once every object in it is gone, which a few
 objects that outlive a wave (free lists, caches) prevent for most of them.
 
-So `tokenwire serve` runs on the system allocator (`cli._system_allocator`),
-and `Reclaimer` collects and trims once a wave of sessions has ended: at
-least `MIN_ENDED` sessions, and twice as many as are still open (which
-bounds the collection's cost per ended session). It waits until sessions
+Under `PYTHONMALLOC=malloc` most of it can go back (docs/architecture.md,
+Memory, says why that is not the default). `Reclaimer` collects and trims
+once a wave of sessions has ended: at least `MIN_ENDED` sessions, and twice
+as many as are still open (which bounds the collection's cost per ended
+session). It waits until sessions
 stop ending for `QUIET_S` (at most `MAX_WAIT_S`), so a wave is reclaimed
 once, and reclaims again when the last of a wave ends. It also shrinks the
 server's tables of sessions and connections: a dict or set keeps the table

@@ -1,0 +1,163 @@
+"""The gateway-efficiency targets (issue #19), each against its measured
+value, from the results the benchmarks last wrote; no figure is typed.
+
+    .venv/bin/python -m benchmarks.efficiency [--before DIR]
+
+Reads `results/{connections,gateway_ceiling,vs_vllm}.json`, and the same files
+in `--before DIR` (default `results/before-19`: the code before the work,
+measured on the same kind of machine) for a column to compare. Writes
+`results/efficiency.md`, which `benchmarks.readme` copies into the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ._server import RESULTS
+
+Report = dict[str, Any]
+
+
+def load(directory: Path) -> dict[str, Report]:
+    found = {}
+    for name in SOURCES:
+        path = directory / f"{name}.json"
+        if path.exists():
+            found[name] = json.loads(path.read_text())
+    return found
+
+
+def worst_round(key: str) -> Callable[[dict[str, Report]], float]:
+    def get(reports: dict[str, Report]) -> float:
+        return max(r[key] for r in reports["connections"]["rounds"])
+
+    return get
+
+
+def after_wave(name: str) -> Callable[[dict[str, Report]], float]:
+    """RSS once a wave has closed over the idle RSS before it, worst round.
+    Older reports have no reading 5 s after close: the one at close then."""
+
+    def get(reports: dict[str, Report]) -> float:
+        c = reports[name]
+        return max(
+            r.get("rss_returned_kib", r["rss_closed_kib"]) / c["rss_idle_kib"] for r in c["rounds"]
+        )
+
+    return get
+
+
+def ceiling(sessions: int) -> Callable[[dict[str, Report]], float]:
+    def get(reports: dict[str, Report]) -> float:
+        [ratio] = [
+            r["tokens_per_s"]
+            for r in reports["gateway_ceiling"]["ratios"]
+            if r["mode"] == "max" and r["sessions"] == sessions
+        ]
+        return float(ratio)
+
+    return get
+
+
+def frontend_cpu(concurrency: int) -> Callable[[dict[str, Report]], float]:
+    def get(reports: dict[str, Report]) -> float:
+        return float(reports["vs_vllm"]["ratios"][str(concurrency)]["frontend_us_per_token"])
+
+    return get
+
+
+# (what, target, at most (True) or at least, unit, getter)
+TARGETS: list[tuple[str, float, bool, str, Callable[[dict[str, Report]], float]]] = [
+    (
+        "RSS per connected idle session, 10k sessions",
+        20,
+        True,
+        "KiB",
+        worst_round("kib_per_connection_connected"),
+    ),
+    (
+        "RSS per streaming session, 10k sessions",
+        28,
+        True,
+        "KiB",
+        worst_round("kib_per_connection_streaming"),
+    ),
+    ("RSS after a wave closes / idle RSS before it", 1.15, True, "x", after_wave("connections")),
+    (
+        "the same, server under `PYTHONMALLOC=malloc`",
+        1.15,
+        True,
+        "x",
+        after_wave("connections-malloc"),
+    ),
+    *(
+        (
+            f"gateway ceiling, tokenwire / bare websockets, {n:,} sessions",
+            0.9,
+            False,
+            "x",
+            ceiling(n),
+        )
+        for n in (100, 1000, 10_000)
+    ),
+    ("frontend CPU per output token, tokenwire / vLLM, c=8", 0.5, True, "x", frontend_cpu(8)),
+    ("frontend CPU per output token, tokenwire / vLLM, c=32", 0.5, True, "x", frontend_cpu(32)),
+]
+
+SOURCES = {
+    "connections": "benchmarks.connections",
+    "connections-malloc": "benchmarks.connections --pythonmalloc malloc",
+    "gateway_ceiling": "benchmarks.gateway_ceiling",
+    "vs_vllm": "benchmarks.vs_vllm",
+}
+
+
+def value(getter: Callable[[dict[str, Report]], float], reports: dict[str, Report]) -> str:
+    try:
+        return f"{getter(reports):.2f}"
+    except (KeyError, ValueError):  # that benchmark has not run, or not at that level
+        return "-"
+
+
+def code(report: Report) -> str:
+    where = report.get("machine") or report.get("code") or {}
+    cpu = f", {where['cpu']}" if "cpu" in where else ""
+    return f"{where.get('commit', '?')}{cpu}"
+
+
+def table(after: dict[str, Report], before: dict[str, Report]) -> str:
+    lines = [
+        "| target | at most / at least | measured | met | before |",
+        "|---|---|---|---|---|",
+    ]
+    for what, target, at_most, unit, getter in TARGETS:
+        now = value(getter, after)
+        met = "-" if now == "-" else ("yes" if (float(now) <= target) == at_most else "**no**")
+        bound = f"{'<=' if at_most else '>='} {target:g} {unit}"
+        then = value(getter, before)
+        lines.append(f"| {what} | {bound} | {now} {unit} | {met} | {then} {unit} |")
+    lines.append("")
+    for name, module in SOURCES.items():
+        now = code(after[name]) if name in after else "not run"
+        then = code(before[name]) if name in before else "not run"
+        lines.append(f"- `{module}`: measured at {now}; before: {then}.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--before", type=Path, default=RESULTS / "before-19")
+    args = parser.parse_args()
+    text = table(load(RESULTS), load(args.before))
+    (RESULTS / "efficiency.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""benchmarks.efficiency's target table, from made-up results: each target
+is read from the right field and judged in the right direction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.efficiency import table
+
+
+def results(kib_idle: float, returned: float, ceiling_1k: float, cpu_8: float) -> dict[str, Any]:
+    rounds = [
+        {
+            "kib_per_connection_connected": kib_idle,
+            "kib_per_connection_streaming": 27.0,
+            "rss_closed_kib": 300_000,
+            "rss_returned_kib": returned,
+        }
+    ]
+    return {
+        "connections": {
+            "machine": {"commit": "abc1234", "cpu": "Test CPU"},
+            "rss_idle_kib": 60_000,
+            "rounds": rounds,
+        },
+        "gateway_ceiling": {
+            "machine": {"commit": "abc1234"},
+            "ratios": [
+                {"mode": "max", "sessions": n, "tokens_per_s": r}
+                for n, r in ((100, 0.95), (1000, ceiling_1k), (10_000, 1.02))
+            ]
+            + [{"mode": "paced", "sessions": 1000, "tokens_per_s": 0.1}],
+        },
+        "vs_vllm": {
+            "code": {"commit": "abc1234"},
+            "ratios": {"8": {"frontend_us_per_token": cpu_8}, "32": {"frontend_us_per_token": 0.4}},
+        },
+    }
+
+
+def row(text: str, start: str) -> list[str]:
+    [line] = [line for line in text.splitlines() if line.startswith(f"| {start}")]
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_each_target_is_judged_in_its_direction() -> None:
+    text = table(results(15.0, 66_000, 0.88, 0.77), results(55.0, 700_000, 0.53, 0.77))
+    assert row(text, "RSS per connected idle")[2:] == ["15.00 KiB", "yes", "55.00 KiB"]
+    assert row(text, "RSS after a wave")[2:] == ["1.10 x", "yes", "11.67 x"]
+    # 'at least' for the ceiling: the paced row is not the max one
+    assert row(text, "gateway ceiling, tokenwire / bare websockets, 1,000")[2:4] == [
+        "0.88 x",
+        "**no**",
+    ]
+    assert row(text, "gateway ceiling, tokenwire / bare websockets, 10,000")[2:4] == [
+        "1.02 x",
+        "yes",
+    ]
+    assert row(text, "frontend CPU per output token, tokenwire / vLLM, c=8")[2:4] == [
+        "0.77 x",
+        "**no**",
+    ]
+    assert row(text, "frontend CPU per output token, tokenwire / vLLM, c=32")[2:4] == [
+        "0.40 x",
+        "yes",
+    ]
+    assert "measured at abc1234, Test CPU" in text
+
+
+def test_a_benchmark_that_has_not_run_shows_a_dash() -> None:
+    after = results(15.0, 66_000, 0.95, 0.4)
+    del after["vs_vllm"]
+    text = table(after, {})
+    assert row(text, "frontend CPU per output token, tokenwire / vLLM, c=8")[2:] == [
+        "- x",
+        "-",
+        "- x",
+    ]
+    assert "`benchmarks.vs_vllm`: measured at not run" in text
