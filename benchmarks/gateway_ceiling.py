@@ -4,7 +4,7 @@ concurrent sessions.
 
     .venv/bin/python -m benchmarks.gateway_ceiling [--sessions 100 1000 10000]
         [--workers 2] [--modes max paced] [--max-total-tokens 100000]
-        [--paced-rate 1] [--paced-tokens 10]
+        [--paced-rate 1] [--paced-tokens 10] [--repeats 3]
 
 Two modes, each run on both servers, one server at a time:
 - max: the engine runs flat out (`--scripted-tokens-per-s 0`); every session
@@ -17,7 +17,9 @@ Two modes, each run on both servers, one server at a time:
   behind its schedule (arrival - (request sent + (i+1)/rate)), TTFT and the
   delivered tokens/s.
 Each level connects its sessions, runs a one-token warm-up on each, then the
-measured response. Ratios are tokenwire / bare.
+measured response. Each level runs `--repeats` times on both servers, a fresh
+server per run, the two in turns; a ratio is the median of the paired
+ratios tokenwire / bare (their range in brackets).
 
 The bare server (`--serve-bare`, in this file) is one uvloop process like
 tokenwire, with the same websockets settings (no compression, 20 s pings).
@@ -52,10 +54,12 @@ import gc
 import importlib.util
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import secrets
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -786,27 +790,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for mode in args.modes:
         rate = 0.0 if mode == "max" else args.paced_rate
-        for kind in ("tokenwire", "bare"):  # one server at a time: 2 cores
-            with server(kind, rate) as (url, proc):
-                for n in args.sessions:
-                    row = one_level(url, proc, n, args, mode)
-                    row.update(mode=mode, server=kind)
+        for i, n in enumerate(args.sessions):
+            for rep in range(args.repeats):
+                # One server at a time (2 cores), a fresh one per run, the two
+                # side by side and in turns, so a drift of the machine's speed
+                # falls on both sides of each paired ratio.
+                kinds = ("tokenwire", "bare") if (i + rep) % 2 == 0 else ("bare", "tokenwire")
+                for kind in kinds:
+                    with server(kind, rate) as (url, proc):
+                        row = one_level(url, proc, n, args, mode)
+                    row.update(mode=mode, server=kind, repeat=rep)
                     rows.append(row)
                     print(summary_line(row), flush=True)
     ratios = []
     for mode in args.modes:
         for n in args.sessions:
-            tw, bare = (
-                next(r for r in rows if (r["mode"], r["server"], r["sessions"]) == (mode, k, n))
-                for k in ("tokenwire", "bare")
-            )
-            ratio: dict[str, Any] = {"mode": mode, "sessions": n}
-            for key in ("tokens_per_s", "frames_per_s", "ttft_p50_ms", "ttft_p99_ms"):
-                ratio[key] = tw[key] / bare[key] if tw[key] and bare[key] else None
+            pairs = [
+                tuple(
+                    next(
+                        r
+                        for r in rows
+                        if (r["mode"], r["server"], r["sessions"], r["repeat"]) == (mode, k, n, rep)
+                    )
+                    for k in ("tokenwire", "bare")
+                )
+                for rep in range(args.repeats)
+            ]
+            ratio: dict[str, Any] = {"mode": mode, "sessions": n, "repeats": args.repeats}
+            keys = ["tokens_per_s", "frames_per_s", "ttft_p50_ms", "ttft_p99_ms"]
             if mode == "paced":
+                keys += ["lag_p50_ms", "lag_p99_ms"]
                 for key in ("lag_p50_ms", "lag_p99_ms"):
-                    ratio[key] = tw[key] / bare[key] if tw[key] and bare[key] else None
-                    ratio[key.replace("_ms", "_added_ms")] = tw[key] - bare[key]
+                    added = [tw[key] - bare[key] for tw, bare in pairs]
+                    ratio[key.replace("_ms", "_added_ms")] = statistics.median(added)
+            for key in keys:
+                each = [tw[key] / bare[key] for tw, bare in pairs if tw[key] and bare[key]]
+                ratio[key] = statistics.median(each) if each else None
+                ratio[f"{key}_each"] = each
             ratios.append(ratio)
     return {
         "machine": code,
@@ -941,18 +961,30 @@ def table(report: dict[str, Any]) -> str:
 
 
 def _rows(report: dict[str, Any], mode: str, render: Any) -> list[str]:
+    """Per level: each server's median run (by tokens/s, or by lag p50 when
+    paced), then the median of the paired ratios."""
     out = []
+    key = "tokens_per_s" if mode == "max" else "lag_p50_ms"
     for ratio in (x for x in report["ratios"] if x["mode"] == mode):
         n = ratio["sessions"]
         for kind in ("tokenwire", "bare"):
-            r = next(
-                x
-                for x in report["runs"]
-                if (x["mode"], x["server"], x["sessions"]) == (mode, kind, n)
+            runs = sorted(
+                (
+                    x
+                    for x in report["runs"]
+                    if (x["mode"], x["server"], x["sessions"]) == (mode, kind, n)
+                ),
+                key=lambda x: x[key] if x[key] is not None else math.inf,
             )
-            out.append(render(r))
+            out.append(render(runs[(len(runs) - 1) // 2]))
         out.append(render(ratio, ratio=True))
     return out
+
+
+def spread(ratio: dict[str, Any], key: str) -> str:
+    """ " [min-max]" of the paired ratios behind a median, when there are several."""
+    each = ratio.get(f"{key}_each") or []
+    return f" [{min(each):.2f}-{max(each):.2f}]" if len(each) > 1 else ""
 
 
 def gcs(r: dict[str, Any]) -> str:
@@ -965,7 +997,8 @@ def gcs(r: dict[str, Any]) -> str:
 def max_row(r: dict[str, Any], ratio: bool = False) -> str:
     if ratio:
         return (
-            f"| {r['sessions']:,} | | **tokenwire/bare** | **{fmt(r['tokens_per_s'], 2)}x** | "
+            f"| {r['sessions']:,} | | **tokenwire/bare** | **{fmt(r['tokens_per_s'], 2)}x**"
+            f"{spread(r, 'tokens_per_s')} | "
             f"**{fmt(r['frames_per_s'], 2)}x** | {fmt(r['ttft_p50_ms'], 2)}x | "
             f"{fmt(r['ttft_p99_ms'], 2)}x | | | | | | | |"
         )
@@ -986,7 +1019,8 @@ def paced_row(r: dict[str, Any], ratio: bool = False) -> str:
     if ratio:
         return (
             f"| {r['sessions']:,} | | **tokenwire/bare** | {fmt(r['tokens_per_s'], 2)}x | "
-            f"**{fmt(r['lag_p50_ms'], 2)}x** ({r['lag_p50_added_ms']:+.1f} ms) | "
+            f"**{fmt(r['lag_p50_ms'], 2)}x**{spread(r, 'lag_p50_ms')} "
+            f"({r['lag_p50_added_ms']:+.1f} ms) | "
             f"**{fmt(r['lag_p99_ms'], 2)}x** ({r['lag_p99_added_ms']:+.1f} ms) | | "
             f"{fmt(r['ttft_p50_ms'], 2)}x | {fmt(r['ttft_p99_ms'], 2)}x | | | | | | |"
         )
@@ -1044,6 +1078,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=[100, 1000, 10_000])
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="paired runs per level, in turns; ratios: median"
+    )
     parser.add_argument("--workers", type=int, default=2, help="client processes")
     parser.add_argument("--modes", nargs="+", choices=["max", "paced"], default=["max", "paced"])
     parser.add_argument("--max-total-tokens", type=int, default=100_000)
