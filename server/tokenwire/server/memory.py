@@ -37,20 +37,17 @@ QUIET_S = 0.25  # no session ended for this long: the wave is over
 MAX_WAIT_S = 2.0  # a wave that goes on is reclaimed this long after it started
 
 
-def glibc() -> ctypes.CDLL | None:
-    """The C library if it is glibc, whose allocator this tunes; else None."""
+def _malloc_trim() -> Callable[[int], Any] | None:
+    """glibc's malloc_trim, or None elsewhere (musl, macOS)."""
     try:
-        return ctypes.CDLL(None) if os.confstr("CS_GNU_LIBC_VERSION") else None
-    except (ValueError, OSError):  # not glibc (musl, macOS)
+        return ctypes.CDLL(None).malloc_trim if os.confstr("CS_GNU_LIBC_VERSION") else None
+    except (ValueError, OSError):  # no such confstr name: not glibc
         return None
 
 
 class Reclaimer:
     def __init__(self, trim: Callable[[int], Any] | None = None) -> None:
-        if trim is None:
-            libc = glibc()
-            trim = libc.malloc_trim if libc is not None else None
-        self._trim = trim
+        self._trim = trim if trim is not None else _malloc_trim()
         self.ended = 0  # sessions ended since the last reclaim
         self.reclaims = 0
         self.tables: list[dict[Any, Any] | set[Any]] = []  # to shrink (see the module doc)
