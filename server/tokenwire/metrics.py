@@ -7,7 +7,7 @@ shows the gateway and the engine side by side.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -44,6 +44,12 @@ class TokenHistogram(Collector):
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
         self.sum += value
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+            self.sum += value
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation)
@@ -88,7 +94,7 @@ TTFT = TokenHistogram(
 )
 INTER_TOKEN = TokenHistogram(
     "tokenwire_inter_token_seconds",
-    "Time between two output deltas of a response",
+    "Time between two text deltas of one generation",
     buckets=LATENCY_BUCKETS,
 )
 CANCEL_LATENCY = Histogram(

@@ -94,7 +94,7 @@ def test_compact_keeps_every_token_in_order(spec: list[tuple[str, str]]) -> None
     box = Outbox()
     for i, (item, text) in enumerate(spec):
         box.push(delta(item, text) if item != "other" else {"type": "x", "n": i})
-    before = list(box._queue)
+    before = list(box.queue)
     box.compact()
     out = []
     while (ev := box.pop()) is not None:

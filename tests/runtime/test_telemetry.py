@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from tokenwire import metrics
+from tokenwire.config import ServerConfig
+from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.metrics import LATENCY_BUCKETS, LoopGauge, TokenHistogram
-from tokenwire.runtime.telemetry import Telemetry
+from tokenwire.runtime.session_runtime import SessionRuntime
+from tokenwire.runtime.telemetry import GAP_BATCH, Telemetry
 
 
 def _lines(registry: CollectorRegistry) -> list[str]:
@@ -25,8 +30,11 @@ def test_token_histogram_exposes_what_a_prometheus_histogram_would() -> None:
     reference = Histogram("t_seconds", "t", buckets=LATENCY_BUCKETS, registry=theirs)
     rng = random.Random(7)
     # Bounds themselves too: a value equal to a bound counts in that bucket (le).
-    for value in [*LATENCY_BUCKETS, 0.0, 11.0, *(rng.expovariate(20) for _ in range(500))]:
+    values = [*LATENCY_BUCKETS, 0.0, 11.0, *(rng.expovariate(20) for _ in range(500))]
+    for value in values[:300]:
         fast.observe(value)
+    fast.observe_many(values[300:])
+    for value in values:
         reference.observe(value)
     assert _lines(ours) == _lines(theirs)
 
@@ -45,16 +53,28 @@ class _Log:
         pass
 
 
-def test_inter_token_gaps_per_response() -> None:
-    telemetry = Telemetry(_Log(), log_content=False)
+async def test_inter_token_gaps_per_generation() -> None:
+    """Every text delta after a generation's first adds one gap, including the
+    ones a generation holds past a batch (GAP_BATCH) and the rest at its end."""
+    runtime = SessionRuntime(ScriptedEngine(), ServerConfig(engine="scripted"))
+    tokens = GAP_BATCH + 7
+    create = {"type": "response.create", "response": {"ignore_eos": True}}
+    create["response"]["max_output_tokens"] = tokens
     before = sum(metrics.INTER_TOKEN.counts)
-    for rid in ("a", "b", "a", "b", "a"):
-        telemetry.observe({"type": "response.output_text.delta", "response_id": rid, "delta": "x"})
-    assert sum(metrics.INTER_TOKEN.counts) - before == 3  # the first delta of each has no gap
+    for _ in range(2):
+        runtime.receive(json.dumps(create))
+        await asyncio.gather(*runtime.tasks.values())
+    assert sum(metrics.INTER_TOKEN.counts) - before == 2 * (tokens - 1)
+    await runtime.end()
+
+
+def test_response_done_feeds_ttft_and_active_responses() -> None:
+    telemetry = Telemetry(_Log(), log_content=False)
     done = {"id": "a", "status": "completed", "output": [], "timings": {"ttft_ms": 12.0}}
     ttft, active = sum(metrics.TTFT.counts), metrics.ACTIVE_RESPONSES.value
+    gaps = sum(metrics.INTER_TOKEN.counts)
+    telemetry.observe({"type": "response.output_text.delta", "response_id": "a", "delta": "x"})
     telemetry.observe({"type": "response.done", "response": done})
     assert sum(metrics.TTFT.counts) == ttft + 1
     assert metrics.ACTIVE_RESPONSES.value == active - 1
-    telemetry.observe({"type": "response.output_text.delta", "response_id": "a", "delta": "x"})
-    assert sum(metrics.INTER_TOKEN.counts) - before == 3  # a finished response starts over
+    assert sum(metrics.INTER_TOKEN.counts) == gaps  # a delta alone is not a gap

@@ -15,10 +15,11 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tokenwire.core.errors import ErrorCode, ProtocolError
+from tokenwire.core.schema import check_values
 from tokenwire.wire.codec import decode_frame
 
 from ..helpers.fuzz import FUZZ, feed_client_event, new_session
@@ -173,3 +174,85 @@ def test_decoder_depth_and_trailing_bytes_are_malformed() -> None:
         with pytest.raises(ProtocolError) as info:
             decode_frame(frame)
         assert info.value.code == ErrorCode.MALFORMED_FRAME
+
+
+# Values `check_values` refuses, beside ones it takes: the decoder skips its
+# walk for frames that cannot hold them, and must refuse exactly the same.
+risky_scalars = st.one_of(
+    json_scalars,
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1e308, -1e308, 1.5e-300, 2**63, -(2**63) - 1, 2**64]),
+    st.text(alphabet=st.characters(min_codepoint=0xD7F0, max_codepoint=0xE010), max_size=3),
+)
+risky_values = st.recursive(
+    risky_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=10,
+)
+
+
+def _taken_by_walk(value: Any) -> bool:
+    try:
+        check_values(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _json_frames(value: Any) -> list[str]:
+    """The value as JSON text, escaped and not; a huge float's digits spelled out too."""
+    frames = [json.dumps(value, ensure_ascii=True, allow_nan=False)]
+    frames.append(json.dumps(value, ensure_ascii=False, allow_nan=False))
+    if isinstance(value, float):
+        frames.append(f"{value:.1f}")  # 1e308 as 309 digits, no exponent
+    return frames
+
+
+@FUZZ
+@given(risky_values)
+@example(float("nan"))
+@example([1.5, float("-inf")])
+@example({"a": float("inf")})
+@example(2**64)
+@example(2**64 - 1)
+@example(-(2**63) - 1)
+@example(1e308)
+@example("\ud800")
+@example({"k": ["x\udfff"]})
+def test_decode_refuses_what_the_full_walk_refuses(value: Any) -> None:
+    taken = _taken_by_walk(value)
+    try:
+        frames: list[str | bytes] = [*_json_frames(value)]
+    except ValueError:  # NaN or infinity: not JSON at all
+        frames = []
+    try:
+        frames.append(msgpack.packb(value, use_bin_type=True))
+    except (OverflowError, UnicodeEncodeError):  # beyond 64 bits; a surrogate
+        pass
+    for frame in frames:
+        try:
+            got = decode_frame(frame)
+        except ProtocolError as err:
+            assert err.code == ErrorCode.MALFORMED_FRAME
+            assert not taken, (frame, "refused, though the full walk takes it")
+        else:
+            assert taken, (frame, "taken, though the full walk refuses it")
+            check_values(got)  # what was taken passes the full walk
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        "1" + "0" * 400 + ".0",
+        "[1e400]",
+        '{"a": -1E+400}',
+        "-9223372036854775809",
+        "18446744073709551616",
+        '"\\ud800"',
+    ],
+)
+def test_json_that_overflows_or_holds_a_surrogate_is_malformed(frame: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(frame)
+    assert info.value.code == ErrorCode.MALFORMED_FRAME

@@ -3,6 +3,8 @@ render into chat messages for the engine."""
 
 from __future__ import annotations
 
+import os
+import random
 import secrets
 from typing import Any
 
@@ -12,7 +14,18 @@ from .schema import FunctionCallOutputItem, MessageItem
 Item = dict[str, Any]
 
 
+# Response, item and call ids name things inside one session, which holds
+# them by id; they need not be secret, only unique, so not a syscall each
+# (secrets). Session ids are secrets: `new_secret_id`.
+_ids = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
+
+
 def new_id(prefix: str) -> str:
+    return f"{prefix}_{_ids.getrandbits(64):016x}"
+
+
+def new_secret_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(8)}"
 
 

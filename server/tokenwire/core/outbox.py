@@ -20,10 +20,12 @@ _NONE: Any = ()
 
 
 class Outbox:
-    __slots__ = ("_queue", "merged", "next_seq", "pending_bytes")
+    __slots__ = ("merged", "next_seq", "pending_bytes", "queue")
 
     def __init__(self, first_seq: int = 1) -> None:
-        self._queue: deque[dict[str, Any]] = _NONE
+        # Read-only outside: truthy while events wait (what `len` tells, without
+        # a Python call; the per-token path asks).
+        self.queue: deque[dict[str, Any]] = _NONE
         self.next_seq = first_seq
         self.merged = 0  # deltas absorbed into others, for metrics
         # Estimated encoded size of what is queued; the accounting needs it
@@ -31,22 +33,22 @@ class Outbox:
         self.pending_bytes = 0
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self.queue)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """The queued events, in order (read-only: they are not numbered yet)."""
-        return iter(self._queue)
+        return iter(self.queue)
 
     def push(self, event: dict[str, Any]) -> None:
-        if self._queue is _NONE:
-            self._queue = deque()
-        self._queue.append(event)
+        if self.queue is _NONE:
+            self.queue = deque()
+        self.queue.append(event)
         self.pending_bytes += estimate_size(event)
 
     def push_front(self, event: dict[str, Any]) -> None:
-        if self._queue is _NONE:
-            self._queue = deque()
-        self._queue.appendleft(event)
+        if self.queue is _NONE:
+            self.queue = deque()
+        self.queue.appendleft(event)
         self.pending_bytes += estimate_size(event)
 
     def extend(self, events: list[dict[str, Any]]) -> None:
@@ -54,15 +56,15 @@ class Outbox:
             self.push(event)
 
     def clear(self) -> None:
-        self._queue = _NONE
+        self.queue = _NONE
         self.pending_bytes = 0
 
     def pop(self, *, merge: bool = False) -> dict[str, Any] | None:
-        if not self._queue:
+        if not self.queue:
             return None
-        event = self._queue.popleft()
+        event = self.queue.popleft()
         self.pending_bytes -= estimate_size(event)
-        if merge and event["type"] == DELTA and self._queue:
+        if merge and event["type"] == DELTA and self.queue:
             event = self._absorb(event)
         self.number(event)
         return event
@@ -78,7 +80,7 @@ class Outbox:
         backlog held for a slow client costs its text, not an object per token."""
         out: deque[dict[str, Any]] = deque()
         segment: dict[str, dict[str, Any]] = {}  # item_id -> merged delta, in order
-        for event in self._queue:
+        for event in self.queue:
             if event["type"] != DELTA:
                 out.extend(segment.values())
                 segment.clear()
@@ -89,14 +91,14 @@ class Outbox:
                 segment[event["item_id"]] = {**held, "delta": held["delta"] + event["delta"]}
                 self.merged += 1
         out.extend(segment.values())
-        self._queue = out
+        self.queue = out
         self.pending_bytes = sum(estimate_size(e) for e in out)
 
     def _absorb(self, event: dict[str, Any]) -> dict[str, Any]:
         key = event["item_id"]
         parts = [event["delta"]]
         kept: list[dict[str, Any]] = []
-        queue = self._queue
+        queue = self.queue
         while queue:
             nxt = queue[0]
             if nxt["type"] != DELTA:

@@ -20,7 +20,7 @@ from ..engines.base import EngineCapabilities, EngineDelta, EngineError
 from . import events as ev
 from . import schema as s
 from . import snapshot
-from .conversation import Conversation, Item, make_item, new_id
+from .conversation import Conversation, Item, make_item, new_id, new_secret_id
 from .errors import ErrorCode, ProtocolError
 from .events import Action, Outputs
 from .lifecycle import Lifecycle, Preflight, Quota
@@ -73,7 +73,7 @@ class Session:
         settings: dict[str, Any] | None = None,
         tool_flow: ToolFlow = ToolFlow.CONTINUE,
     ) -> None:
-        self.id = session_id or new_id("sess")
+        self.id = session_id or new_secret_id("sess")
         self.limits = limits or SessionLimits()
         self.clock = clock
         # Without an engine's word: what the scripted and vLLM engines can do.
@@ -169,13 +169,13 @@ class Session:
 
     # -- client input ------------------------------------------------------
 
-    def receive_client_event(self, obj: Any) -> None:
-        """Take one client event (internal schema, as a dialect parsed it);
-        bad input becomes an `error` event."""
+    def receive_client_event(self, obj: Any, *, checked: bool = False) -> None:
+        """Take one client event (internal schema, as a dialect parsed it; `checked`:
+        its values passed `check_values`); bad input becomes an `error` event."""
         self.client_events += 1
         try:
             try:
-                s.check_values(obj)  # dialects' decoders check too; this is the API
+                checked or s.check_values(obj)
             except ValueError as exc:
                 raise ProtocolError(ErrorCode.MALFORMED_FRAME, str(exc)) from None
             if self._events_bucket is not None and not self._events_bucket.take():

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+import types
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 from .base import (
@@ -27,6 +29,12 @@ from .toolcalls import ArrayCallScanner, NamedCallScanner, forced_call_text
 
 DEFAULT_CONTEXT_TOKENS = 4096
 CALL_CHUNK = 4  # characters of call JSON per "token"
+
+
+@types.coroutine
+def _yield_to_loop() -> Generator[None, None, None]:
+    """What `asyncio.sleep(0)` does, without the coroutine around it."""
+    yield
 
 
 def count_tokens(text: str) -> int:
@@ -46,6 +54,9 @@ class CountingTokens(Sequence[str]):
 
     def __len__(self) -> int:
         return self.n
+
+    def __iter__(self) -> Iterator[str]:
+        return map(" t{}".format, range(self.n))  # no Python call per token
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def]  # Sequence's overloads
         if isinstance(i, slice):
@@ -160,23 +171,26 @@ class ScriptedEngine:
             finish = "length"
         interval = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
         start = time.monotonic()
+        last = len(tokens) - 1
         self._running += 1
         try:
-            if len(tokens) <= skip:
+            if last < skip:
                 yield EngineDelta("", 0, finish, prompt_tokens, 0)
                 return
-            for i in range(skip, len(tokens)):
-                tok = tokens[i]
-                # Sleep to an absolute schedule so the rate does not drift.
-                delay = start + (i + 1 - skip) * interval - time.monotonic()
-                await asyncio.sleep(delay if delay > 0 else 0)
+            for i, tok in enumerate(islice(tokens, skip, None), skip):
+                if interval:
+                    # Sleep to an absolute schedule so the rate does not drift.
+                    delay = start + (i + 1 - skip) * interval - time.monotonic()
+                    await asyncio.sleep(delay if delay > 0 else 0)
+                else:
+                    await _yield_to_loop()
                 calls: list[ToolCallDelta] | None = None
                 if scanner is not None:
                     calls, tok = scanner.feed(tok), ""
                 yield EngineDelta(
                     tok,
                     1,
-                    finish if i == len(tokens) - 1 else None,
+                    finish if i == last else None,
                     prompt_tokens if i == skip else None,
                     0 if i == skip else None,
                     calls or None,

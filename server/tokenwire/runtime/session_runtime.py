@@ -36,10 +36,11 @@ from ..wire import Dialect, dialect_for
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
 from .delivery import Delivery, Pace
 from .flag import Flag
-from .telemetry import Telemetry
+from .telemetry import GAP_BATCH, Telemetry, observe_gaps
 
 log = get_logger("tokenwire.runtime")
 
+_DELTA = ev.RESPONSE_OUTPUT_TEXT_DELTA
 # Events that change no state a takeover needs: no snapshot for them.
 _NO_SNAPSHOT = ev.DELTAS | {ev.ERROR, ev.SESSION_RESUMED, ev.SESSION_GOING_AWAY}
 
@@ -255,7 +256,7 @@ class SessionRuntime:
                 except ProtocolError as err:
                     self.session.receive_protocol_error(err, frame=False)
             else:
-                self.session.receive_client_event(obj)
+                self.session.receive_client_event(obj, checked=True)
         self.pump()
         return None
 
@@ -376,7 +377,8 @@ class SessionRuntime:
         events = self.session.events_to_send()
         if events:
             for event in events:
-                self._telemetry.observe(event)
+                if event["type"] is not _DELTA:  # per token: no call for a delta
+                    self._telemetry.observe(event)
             self.delivery.send(events)
 
     def _timeout(self, response_id: str, token: int) -> None:
@@ -395,13 +397,23 @@ class SessionRuntime:
 
     async def _generate(self, action: StartGeneration) -> None:
         rid = action.request.request_id
+        receive, pump, clock = self.session.receive_engine_output, self.pump, time.perf_counter
+        gaps: list[float] = []  # between text deltas: the histogram takes them in batches
+        last = 0.0
         try:
             stream = self._source(action.response_id)(action.request)
             # Closed however the loop ends: a stage's close closes what it wraps.
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for delta in stream:
-                    self.session.receive_engine_output(rid, delta)
-                    self.pump()
+                    if delta.text:
+                        now = clock()
+                        if last:
+                            gaps.append(now - last)
+                            if len(gaps) >= GAP_BATCH:
+                                observe_gaps(gaps)
+                        last = now
+                    receive(rid, delta)
+                    pump()
             # A stream that ends without a finish reason still ends the response.
             self.session.receive_engine_output(rid, EngineDelta("", 0, "abort"))
         except EngineError as exc:
@@ -415,6 +427,7 @@ class SessionRuntime:
             )
         finally:
             self.tasks.pop(rid, None)
+            observe_gaps(gaps)
         self.pump()
 
     async def wait_generations(self) -> None:

@@ -31,7 +31,8 @@ class Dialect(Protocol):
 
     def parse(self, frame: str | bytes) -> Any:
         """One client frame as an internal client event (a map the session
-        validates). Raises ProtocolError (malformed_frame) if it is not one."""
+        validates), every value in it through `schema.check_values`. Raises
+        ProtocolError (malformed_frame) if it is not one."""
         ...
 
     def encode(self, event: dict[str, Any]) -> Frame:
