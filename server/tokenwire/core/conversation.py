@@ -61,6 +61,29 @@ class Conversation:
     def add_bytes(self, text: str) -> None:
         self.history_bytes += len(text.encode())
 
+    def response_inputs(
+        self, raw_inputs: list[MessageItem | FunctionCallOutputItem], event_id: str | None
+    ) -> list[Item]:
+        """A response's own `input` items, new and not yet inserted."""
+        inputs = [
+            self.new_item(raw, event_id) for raw in raw_inputs if isinstance(raw, MessageItem)
+        ]
+        if len({i["id"] for i in inputs}) < len(inputs):
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_ITEM_ID,
+                "two input items share an id",
+                event_id=event_id,
+                param="response.input",
+            )
+        if any(isinstance(raw, FunctionCallOutputItem) for raw in raw_inputs):
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                "send function_call_output items with conversation.item.create",
+                event_id=event_id,
+                param="response.input",
+            )
+        return inputs
+
     def new_item(self, raw: MessageItem | FunctionCallOutputItem, event_id: str | None) -> Item:
         fields = raw.model_dump(exclude_none=True)
         if fields.get("id") in self.by_id:

@@ -264,24 +264,7 @@ class Session:
         params.update(ignore_eos=rp.ignore_eos, cache=rp.cache, seed=rp.seed)
         check_tool_choice(params["tool_choice"], params["tools"], event_id, "response.tool_choice")
         self._check_priority(given.get("priority"), event_id, "response.priority")
-        raw_inputs = rp.input or []
-        inputs = [
-            conv.new_item(raw, event_id) for raw in raw_inputs if isinstance(raw, s.MessageItem)
-        ]
-        if len({i["id"] for i in inputs}) < len(inputs):
-            raise ProtocolError(
-                ErrorCode.DUPLICATE_ITEM_ID,
-                "two input items share an id",
-                event_id=event_id,
-                param="response.input",
-            )
-        if any(isinstance(raw, s.FunctionCallOutputItem) for raw in raw_inputs):
-            raise ProtocolError(
-                ErrorCode.INVALID_FIELD,
-                "send function_call_output items with conversation.item.create",
-                event_id=event_id,
-                param="response.input",
-            )
+        inputs = conv.response_inputs(rp.input, event_id) if rp.input else []
         resp = Response(
             id=new_id("resp"),
             event_id=event_id,
@@ -293,7 +276,7 @@ class Session:
             tool_choice=params["tool_choice"],
         )
         request = self.lifecycle.checked_request(resp, inputs if in_conversation else [], event_id)
-        size = sum(len(i["content"].encode()) for i in inputs)
+        size = sum(len(i["content"].encode()) for i in inputs) if inputs else 0
         conv.check_room(size, event_id)
         # Last check: from here on the response exists and holds its slot.
         quota = self.lifecycle.quota
