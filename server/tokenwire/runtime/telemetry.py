@@ -1,6 +1,7 @@
 """Metrics and logs for the events a session sends: the ones that matter
-are logged. Deltas are not looked at: a generation's loop times them and
-feeds the inter-token histogram in batches (`observe_gaps`)."""
+are logged. Deltas need nothing here (`SessionRuntime.pump` skips them): a
+generation's loop times them and feeds the inter-token histogram in batches
+(`observe_gaps`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Any
 from .. import logs, metrics
 from ..core import events as ev
 
-_DELTA = ev.RESPONSE_OUTPUT_TEXT_DELTA
 GAP_BATCH = 64  # gaps a generation holds before the histogram takes them
 
 
@@ -31,8 +31,6 @@ class Telemetry:
 
     def observe(self, event: dict[str, Any]) -> None:
         kind = event["type"]
-        if kind is _DELTA or kind == _DELTA:  # per token: the same string object, mostly
-            return  # their gaps: `observe_gaps`, from the generation's loop
         if kind == ev.RESPONSE_DONE:
             r = event["response"]
             metrics.ACTIVE_RESPONSES.dec()
