@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import time
+from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Any, Protocol
@@ -398,7 +399,9 @@ class SessionRuntime:
     async def _generate(self, action: StartGeneration) -> None:
         rid = action.request.request_id
         receive, pump, clock = self.session.receive_engine_output, self.pump, time.perf_counter
-        gaps: list[float] = []  # between text deltas: the histogram takes them in batches
+        # Between text deltas: the histogram takes them in batches. An array:
+        # 8 bytes a gap, where a list holds a float object each.
+        gaps = array("d")
         last = 0.0
         try:
             stream = self._source(action.response_id)(action.request)

@@ -6,6 +6,7 @@ generation's loop times them and feeds the inter-token histogram in batches
 from __future__ import annotations
 
 import functools
+from collections.abc import MutableSequence
 from logging import INFO
 from typing import Any
 
@@ -15,11 +16,11 @@ from ..core import events as ev
 GAP_BATCH = 64  # gaps a generation holds before the histogram takes them
 
 
-def observe_gaps(gaps: list[float]) -> None:
+def observe_gaps(gaps: MutableSequence[float]) -> None:
     """Put a generation's inter-token gaps in the histogram; empties `gaps`."""
     if gaps:
         metrics.INTER_TOKEN.observe_many(gaps)
-        gaps.clear()
+        del gaps[:]
 
 
 class Telemetry:
