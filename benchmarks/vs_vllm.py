@@ -29,7 +29,11 @@ tokenwire / vLLM is taken between those medians; the paired ratio of each
 round is listed too. Beside each batch we record the CPU other programs
 took on the machine meanwhile ("other cores"); a batch above --quiet-cores
 is run again (up to --retries times).
-About 14 minutes with the defaults on 2 quiet cores (a server start takes
+After both servers of a round have stopped, `benchmarks.frontend_floor`
+measures the frontend floor with the round's prompts: vLLM's AsyncLLM client,
+which both servers run in their process, alone. Above it is each server's own
+work.
+About 25 minutes with the defaults on 2 quiet cores (a server start takes
 20-25 s). Writes results/vs_vllm.{json,md,png}.
 """
 
@@ -41,6 +45,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -228,7 +233,38 @@ def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
     leftovers = wait_for_descendants()  # fully down before the next round starts
     if leftovers:
         print(f"  killed leftover processes {leftovers}", flush=True)
-    return {side: {"startup_s": startup[side], "levels": levels[side]} for side in SIDES}
+    floor = frontend_floor(args, r)
+    print(
+        "  floor (AsyncLLM alone): "
+        + ", ".join(f"c={c} {v['frontend_us_per_token']:.0f} µs/token" for c, v in floor.items()),
+        flush=True,
+    )
+    return {
+        **{side: {"startup_s": startup[side], "levels": levels[side]} for side in SIDES},
+        "floor": floor,
+    }
+
+
+def frontend_floor(args: argparse.Namespace, r: int) -> dict[str, dict[str, float]]:
+    """`benchmarks.frontend_floor` for round `r`, alone on the machine (both
+    servers are down), in a process of its own that takes its engine with it."""
+    command = [sys.executable, "-m", "benchmarks.frontend_floor", "--key", str(r)]
+    command += ["--tokens", str(args.tokens), "--batches", str(args.batches)]
+    command += ["--concurrency", *map(str, args.concurrency)]
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=Path(__file__).resolve().parent.parent,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    lines = done.stdout.strip().splitlines()  # vLLM logs to stdout too: the JSON is last
+    if done.returncode or not lines or not lines[-1].startswith("{"):
+        raise RuntimeError(f"benchmarks.frontend_floor failed:\n{done.stderr[-3000:]}")
+    floor: dict[str, dict[str, float]] = json.loads(lines[-1])
+    wait_for_descendants()
+    return floor
 
 
 # -- report ------------------------------------------------------------------------
@@ -285,6 +321,12 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {c} | {LABELS[side]} | {side_cells(r)} | "
                 f"{r['frontend_us_per_token']:.0f} | {r['other_cores_max']:.2f} |"
             )
+        if "floor" in report:
+            dashes = " | ".join(["-"] * (TABLE_COLUMNS.count("|") + 1))
+            lines.append(
+                f"| {c} | vLLM's AsyncLLM client alone (floor) | {dashes} | "
+                f"{report['floor'][str(c)]:.0f} | |"
+            )
         q = report["ratios"][str(c)]
         lines.append(
             f"| {c} | **ratio tw/vLLM** | **{q['tokens_per_s']:.3f}x** | {ratio_cells(q)} | "
@@ -309,6 +351,17 @@ def markdown(report: dict[str, Any]) -> str:
         "vLLM's api_server; not the engine processes below it) over a batch, connecting "
         "included, per output token.",
     ]
+    if "floor" in report:
+        lines[-1] += (
+            " Floor: vLLM's AsyncLLM client, which both servers run in their process, alone "
+            "(benchmarks.frontend_floor: no server, no network; same settings and prompts; "
+            "run after both servers of the round stopped). Above the floor, each server's own "
+            "work, tokenwire / vLLM: "
+            + ", ".join(
+                f"c={c}: {report['ratios'][str(c)]['frontend_above_floor']:.2f}x" for c in levels
+            )
+            + "."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -351,12 +404,19 @@ def build_report(
             str(c): level_summary([rd[side]["levels"][str(c)] for rd in rounds])
             for c in args.concurrency
         }
+    report["floor"] = {
+        str(c): statistics.median(rd["floor"][str(c)]["frontend_us_per_token"] for rd in rounds)
+        for c in args.concurrency
+    }
     report["ratios"] = {}
     for c in map(str, args.concurrency):
-        tw, vl = report["tokenwire"][c], report["vllm"][c]
+        tw, vl, floor = report["tokenwire"][c], report["vllm"][c], report["floor"][c]
         report["ratios"][c] = {
             **ratios(tw, vl),
             "frontend_us_per_token": tw["frontend_us_per_token"] / vl["frontend_us_per_token"],
+            # Each server's own work: what it takes above the client they both run.
+            "frontend_above_floor": (tw["frontend_us_per_token"] - floor)
+            / (vl["frontend_us_per_token"] - floor),
             # Paired within a round (the two servers ran side by side).
             "tokens_per_s_rounds": [
                 rd["tokenwire"]["levels"][c]["tokens_per_s"]

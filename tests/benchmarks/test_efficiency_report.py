@@ -33,7 +33,10 @@ def results(kib_idle: float, returned: float, ceiling_1k: float, cpu_8: float) -
         },
         "vs_vllm": {
             "code": {"commit": "abc1234"},
-            "ratios": {"8": {"frontend_us_per_token": cpu_8}, "32": {"frontend_us_per_token": 0.4}},
+            "ratios": {
+                "8": {"frontend_us_per_token": cpu_8, "frontend_above_floor": 0.45},
+                "32": {"frontend_us_per_token": 0.4, "frontend_above_floor": 0.6},
+            },
         },
     }
 
@@ -63,6 +66,14 @@ def test_each_target_is_judged_in_its_direction() -> None:
     assert row(text, "frontend CPU per output token, tokenwire / vLLM, c=32")[2:4] == [
         "0.40 x",
         "yes",
+    ]
+    assert row(text, "the same above the floor (each server's own work), c=8")[2:4] == [
+        "0.45 x",
+        "yes",
+    ]
+    assert row(text, "the same above the floor (each server's own work), c=32")[2:4] == [
+        "0.60 x",
+        "**no**",
     ]
     assert "measured at abc1234, Test CPU" in text
 

@@ -1,0 +1,46 @@
+"""benchmarks.vs_vllm's report from made-up rounds: the frontend floor (vLLM's
+AsyncLLM client alone) is taken off both servers' CPU before their ratio."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from benchmarks.vs_vllm import build_report, markdown
+
+
+def level(cpu_us: float) -> dict[str, Any]:
+    return {
+        "tokens_per_s": 100.0,
+        "ttft_p50_ms": 200.0,
+        "ttft_p99_ms": 250.0,
+        "itl_p50_ms": 50.0,
+        "itl_p99_ms": 70.0,
+        "other_cores": 0.01,
+        "attempts": [{}],
+        "frontend_us_per_token": cpu_us,
+    }
+
+
+def a_round(tw: float, vllm: float, floor: float) -> dict[str, Any]:
+    return {
+        "tokenwire": {"startup_s": 20.0, "levels": {"8": level(tw)}},
+        "vllm": {"startup_s": 20.0, "levels": {"8": level(vllm)}},
+        "floor": {"8": {"frontend_us_per_token": floor, "tokens": 1024}},
+    }
+
+
+def test_the_floor_comes_off_both_servers_before_their_ratio() -> None:
+    args = argparse.Namespace(
+        tokens=64, concurrency=[8], repeats=3, batches=2, quiet_cores=0.15, retries=1
+    )
+    # Medians over rounds: tokenwire 180, vLLM 280, floor 100.
+    rounds = [a_round(180, 280, 100), a_round(170, 300, 90), a_round(200, 270, 110)]
+    report = build_report(args, rounds, {"code": {}, "vllm_version": "test"}, 1.0)
+    assert report["floor"] == {"8": 100}
+    q = report["ratios"]["8"]
+    assert q["frontend_us_per_token"] == 180 / 280
+    assert q["frontend_above_floor"] == (180 - 100) / (280 - 100)
+    text = markdown(report)
+    assert "| 8 | vLLM's AsyncLLM client alone (floor) | - | - | - | - | - | 100 | |" in text
+    assert "c=8: 0.44x." in text
