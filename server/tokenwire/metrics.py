@@ -6,8 +6,9 @@ shows the gateway and the engine side by side.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -37,19 +38,26 @@ class TokenHistogram(Collector):
     ) -> None:
         self.name, self.documentation = name, documentation
         self.bounds = tuple(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one: +Inf
-        self.sum = 0.0
+        # In arrays: a list would hold a new int or float object per update,
+        # and the last ones made during a wave of sessions pin the allocator's
+        # arenas after it (server/memory.py).
+        self.counts = array("q", bytes(8 * (len(self.bounds) + 1)))  # the last one: +Inf
+        self._sum = array("d", [0.0])
         registry.register(self)
+
+    @property
+    def sum(self) -> float:
+        return self._sum[0]
 
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
-        self.sum += value
+        self._sum[0] += value
 
-    def observe_many(self, values: Iterable[float]) -> None:
+    def observe_many(self, values: Sequence[float]) -> None:
         counts, bounds = self.counts, self.bounds
         for value in values:
             counts[bisect_left(bounds, value)] += 1
-            self.sum += value
+        self._sum[0] += sum(values)
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation)
@@ -62,21 +70,26 @@ class TokenHistogram(Collector):
 
 
 class LoopGauge(Collector):
-    """A gauge the event loop moves per response: a plain integer, where
+    """A gauge the event loop moves per session or response: an integer in an
+    array (no object per update, as in TokenHistogram), where
     prometheus_client's Gauge takes a lock for each inc and dec."""
 
     def __init__(
         self, name: str, documentation: str, registry: CollectorRegistry = REGISTRY
     ) -> None:
         self.name, self.documentation = name, documentation
-        self.value = 0
+        self._value = array("q", [0])
         registry.register(self)
 
+    @property
+    def value(self) -> int:
+        return self._value[0]
+
     def inc(self) -> None:
-        self.value += 1
+        self._value[0] += 1
 
     def dec(self) -> None:
-        self.value -= 1
+        self._value[0] -= 1
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
@@ -84,7 +97,7 @@ class LoopGauge(Collector):
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
-CONNECTIONS = Gauge("tokenwire_connections", "Open WebSocket sessions")
+CONNECTIONS = LoopGauge("tokenwire_connections", "Open WebSocket sessions")
 ACTIVE_RESPONSES = LoopGauge(
     "tokenwire_active_responses", "Responses in progress or waiting for tools"
 )

@@ -24,6 +24,7 @@ import asyncio
 import ctypes
 import gc
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,7 @@ class Reclaimer:
             self._pending = loop.call_later(QUIET_S - (now - self._last), self._check)
             return
         self._pending = None
+        self._first = self._last = 0.0  # not floats made during the wave (see reclaim)
         self._tail = self._open > 0
         self.reclaim()
 
@@ -84,6 +86,11 @@ class Reclaimer:
             kept = table.copy()
             table.clear()  # frees the table, even an empty one
             table.update(kept)  # type: ignore[arg-type]
+        # The type attribute cache keeps each name it was looked up with, and C
+        # code makes a new name string per call (datetime's "utcoffset", for
+        # each log line's timestamp): hundreds of small strings made during
+        # the wave, each able to keep one of pymalloc's arenas.
+        sys._clear_type_cache()
         freed = gc.collect()
         if self._trim is not None:
             self._trim(0)
