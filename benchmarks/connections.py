@@ -119,7 +119,7 @@ def one_round(
         quiet = wait_quiet(ours, args.quiet_wait)
         t_stream = sampler.mark(f"{label} stream")
         busy, cpu = busy_cpu_seconds(), sum(cpu_seconds(p) for p in ours)
-        server_cpu = cpu_seconds(pid)
+        server_cpu, client_cpu = cpu_seconds(pid), clients.cpu_seconds()
         # Generous: a stream on a loaded machine may fall behind its schedule.
         timeout = 120 + 3 * args.tokens / args.rate
         stream = clients.run(args.tokens, args.rate, 1.0 / args.rate, timeout)
@@ -127,6 +127,9 @@ def one_round(
         wall = t_end - t_stream
         stream.update(gc_pauses(pid, sampler.t0 + t_stream, sampler.t0 + t_end))
         stream["server_cores"] = (cpu_seconds(pid) - server_cpu) / wall
+        # Server and clients share the cores: clients near the rest of them
+        # means lag comes from the machine, not the server.
+        stream["client_cores"] = (clients.cpu_seconds() - client_cpu) / wall
         ours_cpu = sum(cpu_seconds(p) for p in ours) - cpu
         stream["other_cores"] = max(0.0, busy_cpu_seconds() - busy - ours_cpu) / wall
         stream["other_cores_before"] = quiet
@@ -278,6 +281,10 @@ def table(report: dict[str, Any]) -> str:
             ),
         ),
         row("server cores while streaming", lambda r: f"{r['stream']['server_cores']:.2f}"),
+        row(
+            "client processes' cores while streaming",
+            lambda r: fmt(r["stream"].get("client_cores"), 2),
+        ),
         row(
             "server full GCs while streaming (longest pause)",
             lambda r: f"{r['stream']['full_gc_count']} ({r['stream']['full_gc_max_ms']:.0f} ms)",
