@@ -51,30 +51,16 @@ def test_each_target_is_judged_in_its_direction() -> None:
     assert row(text, "RSS per connected idle")[2:] == ["15.00 KiB", "yes", "55.00 KiB"]
     assert row(text, "RSS after a wave")[2:] == ["1.10 x", "yes", "11.67 x"]
     # 'at least' for the ceiling: the paced row is not the max one
-    assert row(text, "gateway ceiling, tokenwire / bare websockets, 1,000")[2:4] == [
-        "0.88 x",
-        "**no**",
-    ]
-    assert row(text, "gateway ceiling, tokenwire / bare websockets, 10,000")[2:4] == [
-        "1.02 x",
-        "yes",
-    ]
-    assert row(text, "frontend CPU per output token, tokenwire / vLLM, c=8")[2:4] == [
-        "0.77 x",
-        "**no**",
-    ]
-    assert row(text, "frontend CPU per output token, tokenwire / vLLM, c=32")[2:4] == [
-        "0.40 x",
-        "yes",
-    ]
-    assert row(text, "the same above the floor (each server's own work), c=8")[2:4] == [
-        "0.45 x",
-        "yes",
-    ]
-    assert row(text, "the same above the floor (each server's own work), c=32")[2:4] == [
-        "0.60 x",
-        "**no**",
-    ]
+    judged = {
+        "gateway ceiling, tokenwire / bare websockets, 1,000": ["0.88 x", "**no**"],
+        "gateway ceiling, tokenwire / bare websockets, 10,000": ["1.02 x", "yes"],
+        "frontend CPU per output token, tokenwire / vLLM, c=8": ["0.77 x", "**no**"],
+        "frontend CPU per output token, tokenwire / vLLM, c=32": ["0.40 x", "yes"],
+        "the same above the floor (each server's own work), c=8": ["0.45 x", "yes"],
+        "the same above the floor (each server's own work), c=32": ["0.60 x", "**no**"],
+    }
+    for start, expected in judged.items():
+        assert row(text, start)[2:4] == expected, start
     assert "measured at abc1234, Test CPU" in text
 
 
