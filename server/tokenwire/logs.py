@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import time
+from typing import Any
 
+import msgspec
 import structlog
 
 # The level `configure` set; unconfigured, structlog writes every level.
@@ -17,24 +21,63 @@ def enabled(level: int) -> bool:
     return level >= _level
 
 
+class IsoTimeStamper:
+    """`timestamp` as structlog's `TimeStamper(fmt="iso", utc=True)` writes it,
+    for a third of its cost: the date and time of day are formatted once a
+    second, not through a datetime per line (whose `utcoffset` call also
+    leaves a new name string in the type cache each time)."""
+
+    __slots__ = ("_prefix", "_second")
+
+    def __init__(self) -> None:
+        self._second, self._prefix = -1, ""
+
+    def __call__(self, logger: Any, name: str, event: dict[str, Any]) -> dict[str, Any]:
+        second, ns = divmod(time.time_ns(), 1_000_000_000)  # floored, as datetime.now
+        if second != self._second:
+            self._second = second
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        event["timestamp"] = f"{self._prefix}.{ns // 1000:06d}Z"
+        return event
+
+
+_encoder = msgspec.json.Encoder(enc_hook=repr)
+
+
+def dumps(event: dict[str, Any], **_: Any) -> bytes:
+    """A log line's JSON, by msgspec; what it cannot encode (a key that is not a
+    string or number) goes through the json module, with repr for the rest."""
+    try:
+        return _encoder.encode(event)
+    except (TypeError, msgspec.EncodeError):
+        return json.dumps(event, default=repr).encode()
+
+
 def configure(level: str = "info") -> None:
     global _level
     _level = logging.getLevelNamesMapping()[level.upper()]
     renderer: structlog.typing.Processor
+    factory: Any
+    stream = getattr(sys.stderr, "buffer", None)
     if sys.stderr.isatty():
         renderer = structlog.dev.ConsoleRenderer()
-    else:
-        renderer = structlog.processors.JSONRenderer()
+        factory = structlog.PrintLoggerFactory(sys.stderr)
+    elif stream is not None:
+        renderer = structlog.processors.JSONRenderer(serializer=dumps)
+        factory = structlog.BytesLoggerFactory(stream)
+    else:  # a text-only stderr (a test's StringIO)
+        renderer = structlog.processors.JSONRenderer(serializer=lambda e, **_: dumps(e).decode())
+        factory = structlog.PrintLoggerFactory(sys.stderr)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            IsoTimeStamper(),
             structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=factory,
         cache_logger_on_first_use=True,
     )
 
