@@ -5,10 +5,13 @@ hold."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import sys
+import tracemalloc
 
 import pytest
+import uvloop
 from websockets.asyncio.client import connect as ws_connect
 
 from tokenwire.config import ServerConfig
@@ -148,3 +151,57 @@ async def test_a_server_reclaims_after_a_wave_and_open_sessions_go_on() -> None:
                 while "response.done" not in types:
                     types.append(json.loads(await stays.recv())["type"])
             assert "response.output_text.delta" in types
+
+
+async def _wave(n: int) -> None:
+    """What sessions leave in the loop's free lists: many handles, timers and
+    awaited futures (an iterator each) alive at once, then gone."""
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in range(n)]
+
+    async def wait(future: asyncio.Future[None]) -> None:
+        await future
+
+    tasks = [loop.create_task(wait(future)) for future in futures]
+    await asyncio.sleep(0)  # every task now awaits its future
+    for future in futures:
+        loop.call_soon(future.set_result, None)
+        loop.call_later(3600, future.cancel).cancel()
+    await asyncio.gather(*tasks)
+
+
+_WAVE_LINES, _WAVE_START = inspect.getsourcelines(_wave)
+
+
+def _wave_blocks(snapshot: tracemalloc.Snapshot) -> int:
+    """pymalloc blocks (512 bytes at most) still alive that `_wave` allocated;
+    the loop's ready deque keeps a few 528-byte blocks, which malloc holds."""
+    lines = range(_WAVE_START, _WAVE_START + len(_WAVE_LINES))
+    return sum(
+        1
+        for trace in snapshot.traces
+        if trace.size <= 512
+        and any(f.filename == __file__ and f.lineno in lines for f in trace.traceback)
+    )
+
+
+def test_the_loops_free_lists_let_go_of_a_waves_blocks() -> None:
+    async def main(cycle: bool) -> int:
+        tracemalloc.start(10)
+        try:
+            await _wave(2000)
+            await asyncio.sleep(0)
+            if cycle:
+                memory.cycle_free_lists(asyncio.get_running_loop())
+                for _ in range(3):
+                    await asyncio.sleep(0)  # the handles run, then are released
+            return _wave_blocks(tracemalloc.take_snapshot())
+        finally:
+            tracemalloc.stop()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        kept = runner.run(main(cycle=False))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        after = runner.run(main(cycle=True))
+    assert kept >= 500  # the free lists hold the wave's last handles, timers, iterators
+    assert after <= 8  # not a free list's worth: a stray object or two of the wave's end
