@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import structlog
@@ -16,15 +17,18 @@ from tokenwire import logs
 
 
 @pytest.fixture
-def stderr(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], io.BytesIO]]:
-    """Call it in the test: pytest puts its own sys.stderr back before the test
-    body, so one set by a fixture would be gone."""
-    raws: list[io.BytesIO] = []
+def logging_to_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Callable[[], tuple[io.BytesIO, Any]]]:
+    """Call it in the test: a logger at info whose lines land in the BytesIO.
+    pytest puts its own sys.stderr back before the test body, so one a fixture
+    set would be gone."""
 
-    def install() -> io.BytesIO:
-        raws.append(io.BytesIO())
-        monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raws[-1], write_through=True))
-        return raws[-1]
+    def install() -> tuple[io.BytesIO, Any]:
+        raw = io.BytesIO()
+        monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, write_through=True))
+        logs.configure("info")
+        return raw, logs.get_logger("t")
 
     yield install
     structlog.reset_defaults()
@@ -35,11 +39,9 @@ def lines(raw: io.BytesIO) -> list[dict]:
 
 
 def test_a_line_is_json_with_level_and_a_utc_timestamp(
-    stderr: Callable[[], io.BytesIO],
+    logging_to_bytes: Callable[[], tuple[io.BytesIO, Any]],
 ) -> None:
-    raw = stderr()
-    logs.configure("info")
-    log = logs.get_logger("t")
+    raw, log = logging_to_bytes()
     before = datetime.now(UTC)
     log.info("response_done", session_id="sess_1", usage={"output_tokens": 2}, key_id=None)
     log.debug("dropped", x=1)
@@ -72,11 +74,9 @@ def test_the_timestamp_is_what_datetime_would_write(
 
 
 def test_fields_json_cannot_hold_are_written_as_their_repr(
-    stderr: Callable[[], io.BytesIO],
+    logging_to_bytes: Callable[[], tuple[io.BytesIO, Any]],
 ) -> None:
-    raw = stderr()
-    logs.configure("info")
-    log = logs.get_logger("t")
+    raw, log = logging_to_bytes()
     log.info("odd", addr=("127.0.0.1", 80), obj=object, keys={(1, 2): "x"}, n=float("nan"))
     try:
         raise ValueError("boom")
