@@ -123,9 +123,9 @@ class Reclaimer:
             table.clear()  # frees the table, even an empty one
             table.update(kept)  # type: ignore[arg-type]
         # The type attribute cache keeps each name it was looked up with, and C
-        # code makes a new name string per call (datetime's "utcoffset", for
-        # each log line's timestamp): hundreds of small strings made during
-        # the wave, each able to keep one of pymalloc's arenas.
+        # code can make a new name string per call (datetime's "utcoffset"
+        # does): small strings made during the wave, each able to keep one of
+        # pymalloc's arenas.
         sys._clear_type_cache()
         freed = gc.collect()
         try:
