@@ -33,7 +33,7 @@ After both servers of a round have stopped, `benchmarks.frontend_floor`
 measures the frontend floor with the round's prompts: vLLM's AsyncLLM client,
 which both servers run in their process, alone. Above it is each server's own
 work.
-About 25 minutes with the defaults on 2 quiet cores (a server start takes
+About 32 minutes with the defaults on 2 quiet cores (a server start takes
 20-25 s). Writes results/vs_vllm.{json,md,png}.
 """
 
