@@ -90,6 +90,12 @@ async def batch(one: One, n: int, first: int = 0) -> tuple[list[dict[str, Any]],
     return results, time.perf_counter() - t0
 
 
+def first_prompt(key: int, b: int, c: int, attempt: int = 0) -> int:
+    """The number of the first prompt of batch `b` of `c` requests: its own for
+    every key, batch, attempt and level, so no batch gets prefix-cache help."""
+    return ((key * 10 + b) * 10 + attempt) * 10_000 + c * 100
+
+
 async def measure_batch(
     one: One,
     c: int,
@@ -110,8 +116,7 @@ async def measure_batch(
     for attempt in range(retries + 1):
         before, t0 = cpu_snapshot(), time.perf_counter()
         frontend = sum(map(threads_cpu_seconds, frontend_pids))
-        first = ((key * 10 + b) * 10 + attempt) * 10_000 + c * 100
-        results, wall = await batch(one, c, first)
+        results, wall = await batch(one, c, first_prompt(key, b, c, attempt))
         other = other_cpu_cores(before, cpu_snapshot(), time.perf_counter() - t0)
         attempts.append({**summarise(results, wall), "other_cores": other})
         if frontend_pids:

@@ -27,6 +27,7 @@ import json
 import os
 from typing import Any
 
+from ._compare import first_prompt
 from ._server import threads_cpu_seconds
 
 
@@ -83,8 +84,8 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         for c in args.concurrency:
             cpu = tokens = 0.0
             for b in range(args.batches):
-                # measure_batch's numbering (first attempt): the servers' prompts.
-                spent, got = await batch(c, ((args.key * 10 + b) * 10) * 10_000 + c * 100)
+                # measure_batch's first attempt: the servers' prompts.
+                spent, got = await batch(c, first_prompt(args.key, b, c))
                 cpu, tokens = cpu + spent, tokens + got
             out[str(c)] = {"frontend_us_per_token": cpu / tokens * 1e6, "tokens": tokens}
         return out
