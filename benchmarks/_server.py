@@ -134,6 +134,17 @@ def tokenwire_process(
         yield f"ws://127.0.0.1:{port}/v1/realtime", proc
 
 
+def allocator_of(pid: int) -> str:
+    """The allocator a tokenwire server process runs on (`--allocator`), read
+    off the libraries it mapped and the environment it was executed with."""
+    if "libmimalloc" in Path(f"/proc/{pid}/maps").read_text():
+        return "mimalloc"
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if item.startswith(b"PYTHONMALLOC="):
+            return item.split(b"=", 1)[1].decode()
+    return "pymalloc"
+
+
 def redis_ping(port: int) -> bool:
     """Whether a Redis server answers PING on `port`."""
     try:

@@ -2,7 +2,7 @@
 `tokenwire serve --engine scripted` process.
 
     .venv/bin/python -m benchmarks.connections [--sessions 10000] [--workers 2]
-        [--rate 1] [--tokens 20] [--rounds 2]
+        [--rate 1] [--tokens 20] [--rounds 2] [--allocator mimalloc|pymalloc|malloc]
 
 Steps, all on one server:
 1. idle: the server's RSS (from /proc/<pid>/status) after start-up and a
@@ -42,7 +42,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ._server import RESULTS, cpu_seconds, tokenwire_process
+from ._server import RESULTS, allocator_of, cpu_seconds, tokenwire_process
 from .gateway_ceiling import (
     BUSY,
     LIMIT_FLAGS,
@@ -172,9 +172,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         *LIMIT_FLAGS,
         "--log-level",
         "warning",
+        *(("--allocator", args.allocator) if args.allocator else ()),
         log_name="connections-tokenwire.log",
-        env={"PYTHONMALLOC": args.pythonmalloc} if args.pythonmalloc else None,
     ) as (url, proc):
+        allocator = allocator_of(proc.pid)
         port = int(url.rsplit(":", 1)[1].split("/")[0])
         rss_start = settled_rss(proc.pid, 0.5)
         with Clients(url, 20, 1) as warm:
@@ -193,6 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "machine": code,
         "code_changed_during_run": machine()["commit"] != code["commit"],
+        "allocator": allocator,
         "sessions": n,
         "workers": args.workers,
         "rate": args.rate,
@@ -220,8 +222,7 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         f"{n:,} sessions on one `tokenwire serve --engine scripted` process, each streaming "
         f"{report['tokens']} tokens at {report['rate']:g} tokens/s"
-        + (f", `PYTHONMALLOC={report['pythonmalloc']}`" if report.get("pythonmalloc") else "")
-        + f"; {len(rounds)} rounds of "
+        + f", allocator {report.get('allocator', 'pymalloc')}; {len(rounds)} rounds of "
         "connect, stream and close on the same server. Clients in "
         f"{report['workers']} processes on the same {m['cpus']} cores ({m['cpu']}); "
         f"{code_note(m, report['code_changed_during_run'])}. Server RSS at start "
@@ -358,16 +359,16 @@ def main() -> None:
         help="seconds to wait, before streaming, for other processes to go idle",
     )
     parser.add_argument(
-        "--pythonmalloc",
-        choices=["malloc", "pymalloc"],
-        help="the server's PYTHONMALLOC; results then go to connections-<value>.*",
+        "--allocator",
+        choices=["mimalloc", "pymalloc", "malloc"],
+        help="the server's --allocator (default: its own choice); results then go to "
+        "connections-<value>.*",
     )
     args = parser.parse_args()
     trace_gc()
     report = run(args)
-    report["pythonmalloc"] = args.pythonmalloc
     RESULTS.mkdir(exist_ok=True)
-    name = f"connections-{args.pythonmalloc}" if args.pythonmalloc else "connections"
+    name = f"connections-{args.allocator}" if args.allocator else "connections"
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     text = table(report)
     (RESULTS / f"{name}.md").write_text(text)

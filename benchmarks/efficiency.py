@@ -89,12 +89,15 @@ TARGETS: list[tuple[str, float, bool, str, Callable[[dict[str, Report]], float]]
         worst_round("kib_per_connection_streaming"),
     ),
     ("RSS after a wave closes / idle RSS before it", 1.15, True, "x", after_wave("connections")),
-    (
-        "the same, server under `PYTHONMALLOC=malloc`",
-        1.15,
-        True,
-        "x",
-        after_wave("connections-malloc"),
+    *(
+        (
+            f"the same, server on {name} (`--allocator {key}`)",
+            1.15,
+            True,
+            "x",
+            after_wave(f"connections-{key}"),
+        )
+        for key, name in (("pymalloc", "pymalloc"), ("malloc", "glibc malloc"))
     ),
     *(
         (
@@ -128,7 +131,8 @@ TARGETS: list[tuple[str, float, bool, str, Callable[[dict[str, Report]], float]]
 
 SOURCES = {
     "connections": "benchmarks.connections",
-    "connections-malloc": "benchmarks.connections --pythonmalloc malloc",
+    "connections-pymalloc": "benchmarks.connections --allocator pymalloc",
+    "connections-malloc": "benchmarks.connections --allocator malloc",
     "gateway_ceiling": "benchmarks.gateway_ceiling",
     "vs_vllm": "benchmarks.vs_vllm",
 }
@@ -144,7 +148,8 @@ def value(getter: Callable[[dict[str, Report]], float], reports: dict[str, Repor
 def code(report: Report) -> str:
     where = report.get("machine") or report.get("code") or {}
     cpu = f", {where['cpu']}" if "cpu" in where else ""
-    return f"{where.get('commit', '?')}{cpu}"
+    allocator = f", allocator {report['allocator']}" if "allocator" in report else ""
+    return f"{where.get('commit', '?')}{cpu}{allocator}"
 
 
 def table(after: dict[str, Report], before: dict[str, Report]) -> str:

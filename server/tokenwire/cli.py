@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Any
 
+from .allocator import CHOICES, AllocatorError, Plan
+from .allocator import apply as apply_allocator
 from .config import FIELDS, ServerConfig, env_name
 from .engines.vllm_args import forced_help  # no vLLM import: that waits for --engine vllm
 
@@ -79,6 +81,9 @@ _HELP = {
     "token before the request goes to the next replica (0: no limit)",
     "remote_priority": "--engine remote: the servers schedule by priority "
     "(vllm serve --scheduling-policy priority), so request priorities matter",
+    "allocator": "the process's memory allocator: auto (mimalloc if installed, which returns "
+    "memory to the OS after a wave of sessions; else pymalloc), mimalloc, pymalloc or malloc "
+    "(glibc)",
     "log_content": "log message text (off by default: logs never hold user data)",
     "log_level": "debug, info, warning or error",
 }
@@ -86,6 +91,7 @@ _CHOICES = {
     "engine": ["vllm", "remote", "scripted"],
     "log_level": ["debug", "info", "warning", "error"],
     "guardrail_on_timeout": ["open", "closed"],
+    "allocator": list(CHOICES),
 }
 _TYPES: dict[str, type] = {"max_model_len": int}
 _SHORTCUTS = ("model", "dtype", "max_model_len")
@@ -162,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv_given = argv
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_argv: list[str] = []
     if "--" in argv:  # `serve [ours] -- [vLLM's]`
@@ -196,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    allocator = Plan(config.allocator)
+    if argv_given is None:  # the process's own command line: it can execute again
+        try:
+            allocator = apply_allocator(config.allocator)
+        except AllocatorError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if config.engine == "vllm":
         # vLLM's argument module takes seconds to import: only for this engine.
         from .engines.vllm_args import check_or_exit
@@ -208,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     elif config.remote_url:
         print("error: --remote-url needs --engine remote", file=sys.stderr)
         return 2
-    return serve(config)
+    return serve(config, allocator)
 
 
 def _vllm_names_model(config: ServerConfig) -> bool:
@@ -224,13 +238,16 @@ def _given(name: str, argv: list[str]) -> bool:
     return in_argv or env_name(name) in os.environ
 
 
-def serve(config: ServerConfig) -> int:
+def serve(config: ServerConfig, allocator: Plan) -> int:
     import uvloop
 
     from . import logs
     from .server import TokenwireServer
 
     logs.configure(config.log_level)
+    logs.get_logger("tokenwire.allocator").info(
+        "allocator", name=allocator.allocator, **({"why": allocator.note} if allocator.note else {})
+    )
     from .server.admission import KeyFileError, KeyStore, is_loopback
     from .server.tls import TLSError, server_context
 

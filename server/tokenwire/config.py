@@ -78,6 +78,9 @@ class ServerConfig:
     tokens_per_s_per_key: float = 0.0  # output tokens/s per key; 0 = unlimited
     max_events_per_s: float = 50.0  # client events per second per connection (burst x2)
     idle_timeout_s: float = 600.0  # no client frame and nothing running: close (4000)
+    # The process's memory allocator (allocator.py): auto takes mimalloc if
+    # installed, which hands a wave's memory back; else pymalloc.
+    allocator: str = "auto"
     log_content: bool = False  # log message text; off so logs never hold user data
     log_level: str = "info"
     # --engine remote: vLLM OpenAI-compatible servers (or a router in front of

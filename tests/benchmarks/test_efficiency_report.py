@@ -74,3 +74,18 @@ def test_a_benchmark_that_has_not_run_shows_a_dash() -> None:
         "- x",
     ]
     assert "`benchmarks.vs_vllm`: measured at not run" in text
+
+
+def test_each_allocator_has_its_row_and_the_note_names_it() -> None:
+    after = results(15.0, 66_000, 0.95, 0.4)
+    after["connections"]["allocator"] = "mimalloc"
+    for allocator, returned in (("pymalloc", 84_000), ("malloc", 70_000)):
+        after[f"connections-{allocator}"] = {
+            **results(15.0, returned, 0.95, 0.4)["connections"],
+            "allocator": allocator,
+        }
+    text = table(after, {})
+    assert row(text, "the same, server on pymalloc")[2:4] == ["1.40 x", "**no**"]
+    assert row(text, "the same, server on glibc malloc")[2:4] == ["1.17 x", "**no**"]
+    assert "`benchmarks.connections`: measured at abc1234, Test CPU, allocator mimalloc" in text
+    assert "`benchmarks.connections --allocator pymalloc`: measured at" in text

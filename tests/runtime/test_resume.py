@@ -31,7 +31,17 @@ async def server() -> AsyncIterator[RunningServer]:
     await srv.close()
 
 
+def patient(server: RunningServer) -> None:
+    """Only the grace test needs its grace short. On a loaded machine a drop
+    and its resume can be more than 2 s apart, with more of the stream made
+    meanwhile than the default log keeps (seen once: the resume refused, and
+    the socket's own session's seq 2 came next)."""
+    server.server.config.resume_grace_s = 60.0
+    server.server.config.resume_log_bytes = 4 << 20  # the whole stream
+
+
 async def test_resume_replays_then_continues(server: RunningServer) -> None:
+    patient(server)
     n = 3000
     wire, sid = await start_stream(server.url, n)
     text, seqs = "", [1]  # start_stream read session.created
@@ -64,6 +74,7 @@ async def test_resume_replays_then_continues(server: RunningServer) -> None:
 
 
 async def test_hundred_random_disconnects(server: RunningServer) -> None:
+    patient(server)
     rng = random.Random(20261122)
     n = 6000
     wire, sid = await start_stream(server.url, n)

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..allocator import mimalloc_collect
 from ..logs import get_logger
 
 log = get_logger("tokenwire.memory")
@@ -40,12 +41,20 @@ QUIET_S = 0.25  # no session ended for this long: the wave is over
 MAX_WAIT_S = 2.0  # a wave that goes on is reclaimed this long after it started
 
 
-def _malloc_trim() -> Callable[[int], Any] | None:
-    """glibc's malloc_trim, or None elsewhere (musl, macOS)."""
+def _trim() -> Callable[[], Any] | None:
+    """What hands freed pages to the OS: mimalloc's `mi_collect` when it is
+    the process's malloc (`allocator.py`), else glibc's `malloc_trim`, else
+    None (musl, macOS)."""
+    collect = mimalloc_collect()
+    if collect is not None:
+        return collect
     try:
-        return ctypes.CDLL(None).malloc_trim if os.confstr("CS_GNU_LIBC_VERSION") else None
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
     except (ValueError, OSError):  # no such confstr name: not glibc
         return None
+    malloc_trim = ctypes.CDLL(None).malloc_trim
+    return lambda: malloc_trim(0)
 
 
 FREE_LIST_CYCLE = 600  # over twice the longest free list below (uvloop 250, _asyncio 255)
@@ -83,8 +92,8 @@ def cycle_free_lists(loop: asyncio.AbstractEventLoop) -> None:
 
 
 class Reclaimer:
-    def __init__(self, trim: Callable[[int], Any] | None = None) -> None:
-        self._trim = trim if trim is not None else _malloc_trim()
+    def __init__(self, trim: Callable[[], Any] | None = None) -> None:
+        self._trim = trim if trim is not None else _trim()
         self.ended = 0  # sessions ended since the last reclaim
         self.reclaims = 0
         self.tables: list[dict[Any, Any] | set[Any]] = []  # to shrink (see the module doc)
@@ -133,7 +142,7 @@ class Reclaimer:
         except RuntimeError:  # no loop: a caller outside the server
             pass
         if self._trim is not None:
-            self._trim(0)
+            self._trim()
         log.info(
             "memory_reclaimed",
             sessions_ended=ended,
