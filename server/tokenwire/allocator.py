@@ -9,9 +9,9 @@ chunk (1.17x). mimalloc frees by 64 KiB page and, with its decommit delay at
 token it runs about the same instructions as pymalloc.
 
 An allocator is chosen before the interpreter starts, so `serve` executes
-itself once more with `LD_PRELOAD` and `PYTHONMALLOC` set (`plan`), then takes
-them out of its environment (`settle`) so the programs it starts keep their
-own. `auto` takes mimalloc when the library is found and the user set no
+itself once more with `LD_PRELOAD` and `PYTHONMALLOC` set (`plan`), then puts
+its environment back as the user gave it (`settle`), so the programs it starts
+run as they would have. `auto` takes mimalloc when the library is found and the user set no
 `PYTHONMALLOC` or preload of their own, and otherwise keeps pymalloc.
 """
 

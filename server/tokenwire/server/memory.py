@@ -2,18 +2,17 @@
 
 A session and its socket are reference cycles: they wait for a full garbage
 collection, which the thresholds `app._freeze_heap` sets make rare and an
-idle server never reaches. What they free then stays in the process: glibc
-keeps freed pages for reuse until `malloc_trim` returns them, and pymalloc
-returns a 1 MiB arena only once every object in it is gone, which a few
-objects that outlive a wave (free lists, caches) prevent for most of them;
-`reclaim` clears the caches and swaps the event loop's free lists for new
-blocks (`cycle_free_lists`).
+idle server never reaches. What they free then stays in the process: the
+allocator keeps freed pages for reuse until asked to return them (mimalloc's
+`mi_collect`, glibc's `malloc_trim`), and pymalloc returns a 1 MiB arena only
+once every object in it is gone, which a few objects that outlive a wave
+(free lists, caches) prevent for most of them; `reclaim` clears the caches
+and swaps the event loop's free lists for new blocks (`cycle_free_lists`).
+The server runs on mimalloc where it is installed (`allocator.py`).
 
-Under `PYTHONMALLOC=malloc` most of it can go back (docs/architecture.md,
-Memory, says why that is not the default). `Reclaimer` collects and trims
-once a wave of sessions has ended: at least `MIN_ENDED` sessions, and twice
-as many as are still open (which bounds the collection's cost per ended
-session). It waits until sessions stop ending for `QUIET_S` (at most
+`Reclaimer` collects and trims once a wave of sessions has ended: at least
+`MIN_ENDED` sessions, and twice as many as are still open (which bounds the
+collection's cost per ended session). It waits until sessions stop ending for `QUIET_S` (at most
 `MAX_WAIT_S`), so a wave is reclaimed once, and reclaims again when the last
 of a wave ends. It also shrinks the server's tables of sessions and
 connections: a dict or set keeps the table it grew to after its entries are
