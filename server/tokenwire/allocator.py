@@ -11,8 +11,9 @@ token it runs about the same instructions as pymalloc.
 An allocator is chosen before the interpreter starts, so `serve` executes
 itself once more with `LD_PRELOAD` and `PYTHONMALLOC` set (`plan`), then puts
 its environment back as the user gave it (`settle`), so the programs it starts
-run as they would have. `auto` takes mimalloc when the library is found and the user set no
-`PYTHONMALLOC` or preload of their own, and otherwise keeps pymalloc.
+run as they would have. `auto` takes mimalloc when the library is found and the user set neither
+`PYTHONMALLOC` nor a preloaded allocator of their own, and otherwise keeps
+pymalloc.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def plan(choice: str, environ: Mapping[str, str], library: str | None) -> Plan:
     if choice == "auto":
         if own:
             return Plan(own, note=f"PYTHONMALLOC={own} is set")
-        if preload:
-            return Plan("pymalloc", note="LD_PRELOAD is set")
+        if other := _preloaded_allocator(preload):
+            return Plan("pymalloc", note=f"LD_PRELOAD names an allocator ({other})")
         if library is None:
             return Plan("pymalloc", note=f"{LIBRARY} not found ({INSTALL_HINT})")
         choice = "mimalloc"
@@ -96,8 +97,17 @@ def plan(choice: str, environ: Mapping[str, str], library: str | None) -> Plan:
             f"or name the file in {LIBRARY_ENV}"
         )
     tuning = {k: v for k, v in MIMALLOC_SETTINGS.items() if k not in environ}  # the user's win
-    preload = f"{library} {preload}".strip()
+    preload = f"{library}:{preload}" if preload else library
     return _again("mimalloc", environ, {"PYTHONMALLOC": "malloc", "LD_PRELOAD": preload, **tuning})
+
+
+def _preloaded_allocator(preload: str) -> str | None:
+    """A malloc the user preloads (tcmalloc, jemalloc, ...): theirs to keep.
+    Other libraries (vLLM's CPU docs preload libgomp, say) stay beside mimalloc."""
+    for entry in preload.replace(" ", ":").split(":"):
+        if "malloc" in os.path.basename(entry):
+            return entry
+    return None
 
 
 def _again(allocator: str, environ: Mapping[str, str], settings: dict[str, str]) -> Plan:

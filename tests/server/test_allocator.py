@@ -40,8 +40,15 @@ def test_auto_keeps_pymalloc_without_the_library_or_with_the_users_settings() ->
     assert "apt-get install libmimalloc2.0" in (missing.note or "")
     own = plan("auto", {"PYTHONMALLOC": "malloc"}, LIB)
     assert (own.allocator, own.env) == ("malloc", None)
-    preloaded = plan("auto", {"LD_PRELOAD": "libjemalloc.so.2"}, LIB)
+    preloaded = plan("auto", {"LD_PRELOAD": "/usr/lib/libgomp.so.1 libjemalloc.so.2"}, LIB)
     assert (preloaded.allocator, preloaded.env) == ("pymalloc", None)
+    assert "libjemalloc.so.2" in (preloaded.note or "")
+    # vLLM's CPU platform preloads libgomp and its tcmalloc for its engine core.
+    vllm_env = {"LD_PRELOAD": "/venv/vllm/libs/libtcmalloc_minimal.so.4:/torch/libgomp.so"}
+    assert plan("auto", vllm_env, LIB).env is None
+    # Not an allocator: kept beside mimalloc.
+    beside = plan("auto", {"LD_PRELOAD": "/torch/lib/libgomp.so.1"}, LIB)
+    assert beside.env is not None and beside.env["LD_PRELOAD"] == f"{LIB}:/torch/lib/libgomp.so.1"
 
 
 def test_explicit_choices() -> None:
@@ -55,7 +62,7 @@ def test_explicit_choices() -> None:
     # The user's own preload stays, after mimalloc; the user's settings win.
     kept = plan("mimalloc", {"LD_PRELOAD": "libx.so", "MIMALLOC_PURGE_DELAY": "5"}, LIB).env
     assert kept is not None
-    assert kept["LD_PRELOAD"] == f"{LIB} libx.so" and kept["MIMALLOC_PURGE_DELAY"] == "5"
+    assert kept["LD_PRELOAD"] == f"{LIB}:libx.so" and kept["MIMALLOC_PURGE_DELAY"] == "5"
 
 
 @pytest.mark.parametrize(
@@ -134,7 +141,11 @@ async def test_the_server_runs_on_mimalloc_and_hands_a_waves_memory_back() -> No
     assert find_mimalloc() is not None, "make test installs libmimalloc2.0"
     flags = ("--engine", "scripted", "--scripted-tokens-per-s", "0", "--log-level", "warning")
     flags += ("--max-connections-per-key", "5000", "--max-responses-per-key", "5000")
-    with spawn_server(*flags) as srv:
+    # A clean environment: vLLM's CPU platform, imported by earlier tests in
+    # this process, puts its tcmalloc in os.environ's LD_PRELOAD.
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PYTHONMALLOC")}
+    clean = {k: v for k, v in clean.items() if not k.startswith(("TOKENWIRE_", "MIMALLOC_"))}
+    with spawn_server(*flags, env=clean) as srv:
         pid = srv.proc.pid
         assert "libmimalloc" in maps(pid)
         await wave(srv.url, 50, 5)  # warm-up: one-time costs are not the wave's
