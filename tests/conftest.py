@@ -51,6 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rss_kib(pid: int) -> int:
+    """A process's resident set size, KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
 def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -11,9 +11,9 @@ token it runs about the same instructions as pymalloc.
 An allocator is chosen before the interpreter starts, so `serve` executes
 itself once more with `LD_PRELOAD` and `PYTHONMALLOC` set (`plan`), then puts
 its environment back as the user gave it (`settle`), so the programs it starts
-run as they would have. `auto` takes mimalloc when the library is found and the user set neither
-`PYTHONMALLOC` nor a preloaded allocator of their own, and otherwise keeps
-pymalloc.
+run as they would have. `auto` takes mimalloc when the library is found and
+the user set neither `PYTHONMALLOC` nor a preloaded allocator of their own,
+and otherwise keeps pymalloc.
 """
 
 from __future__ import annotations

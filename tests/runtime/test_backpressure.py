@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from websockets.asyncio.client import ClientConnection
@@ -22,7 +21,7 @@ from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.server import TokenwireServer
 from tokenwire.wire.close_codes import CLOSE_SLOW_CLIENT
 
-from ..conftest import http_json, spawn_server
+from ..conftest import http_json, rss_kib, spawn_server
 from ..helpers.wait import until
 from ..helpers.wire import expected, raw_client
 
@@ -245,13 +244,6 @@ async def test_flooding_client_is_not_read_while_behind(server: TokenwireServer)
         assert await healthy.ask("still fine") == "You said: still fine"
     flooder.cancel()
     ws.transport.abort()
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
 
 
 async def test_memory_bound_with_many_stalled_clients() -> None:

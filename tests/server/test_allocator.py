@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from tokenwire.allocator import LIBRARY_ENV, MARK, AllocatorError, find_mimalloc, plan, settle
 
-from ..conftest import spawn_server
+from ..conftest import rss_kib, spawn_server
 
 LIB = "libmimalloc.so.2"
 
@@ -97,13 +97,6 @@ def test_serve_refuses_mimalloc_it_cannot_find(tmp_path: Path) -> None:
 
 def maps(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def settled_rss(pid: int) -> int:

@@ -12,11 +12,11 @@ The server runs on mimalloc where it is installed (`allocator.py`).
 
 `Reclaimer` collects and trims once a wave of sessions has ended: at least
 `MIN_ENDED` sessions, and twice as many as are still open (which bounds the
-collection's cost per ended session). It waits until sessions stop ending for `QUIET_S` (at most
-`MAX_WAIT_S`), so a wave is reclaimed once, and reclaims again when the last
-of a wave ends. It also shrinks the server's tables of sessions and
-connections: a dict or set keeps the table it grew to after its entries are
-gone.
+collection's cost per ended session). It waits until sessions stop ending for
+`QUIET_S` (at most `MAX_WAIT_S`), so a wave is reclaimed once, and reclaims
+again when the last of a wave ends. It also shrinks the server's tables of
+sessions and connections: a dict or set keeps the table it grew to after its
+entries are gone.
 """
 
 from __future__ import annotations
