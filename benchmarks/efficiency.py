@@ -3,7 +3,8 @@ value, from the results the benchmarks last wrote; no figure is typed.
 
     .venv/bin/python -m benchmarks.efficiency [--before DIR]
 
-Reads `results/{connections,gateway_ceiling,vs_vllm}.json`, and the same files
+Reads `results/{connections,gateway_ceiling,vs_vllm}.json` (and the runs on
+other allocators, `SOURCES`), and the same files
 in `--before DIR` (default `results/before-19`: the code before the work,
 measured on the same kind of machine) for a column to compare. Writes
 `results/efficiency.md`, which `benchmarks.readme` copies into the README.
@@ -51,11 +52,11 @@ def after_wave(name: str) -> Callable[[dict[str, Report]], float]:
     return get
 
 
-def ceiling(sessions: int) -> Callable[[dict[str, Report]], float]:
+def ceiling(sessions: int, name: str = "gateway_ceiling") -> Callable[[dict[str, Report]], float]:
     def get(reports: dict[str, Report]) -> float:
         [ratio] = [
             r["tokens_per_s"]
-            for r in reports["gateway_ceiling"]["ratios"]
+            for r in reports[name]["ratios"]
             if r["mode"] == "max" and r["sessions"] == sessions
         ]
         return float(ratio)
@@ -109,6 +110,16 @@ TARGETS: list[tuple[str, float, bool, str, Callable[[dict[str, Report]], float]]
         )
         for n in (100, 1000, 10_000)
     ),
+    *(
+        (
+            f"the same, {n:,} sessions, server on pymalloc (`--allocator pymalloc`)",
+            0.9,
+            False,
+            "x",
+            ceiling(n, "gateway_ceiling-pymalloc"),
+        )
+        for n in (100, 1000, 10_000)
+    ),
     ("frontend CPU per output token, tokenwire / vLLM, c=8", 0.5, True, "x", frontend_cpu(8)),
     ("frontend CPU per output token, tokenwire / vLLM, c=32", 0.5, True, "x", frontend_cpu(32)),
     # Not the target: the same ratio without vLLM's AsyncLLM client,
@@ -134,6 +145,7 @@ SOURCES = {
     "connections-pymalloc": "benchmarks.connections --allocator pymalloc",
     "connections-malloc": "benchmarks.connections --allocator malloc",
     "gateway_ceiling": "benchmarks.gateway_ceiling",
+    "gateway_ceiling-pymalloc": "benchmarks.gateway_ceiling --allocator pymalloc",
     "vs_vllm": "benchmarks.vs_vllm",
 }
 

@@ -5,6 +5,7 @@ concurrent sessions.
     .venv/bin/python -m benchmarks.gateway_ceiling [--sessions 100 1000 10000]
         [--workers 2] [--modes max paced] [--max-total-tokens 100000]
         [--paced-rate 1] [--paced-tokens 10] [--repeats 3]
+        [--allocator mimalloc|pymalloc|malloc]
 
 Two modes, each run on both servers, one server at a time:
 - max: the engine runs flat out (`--scripted-tokens-per-s 0`); every session
@@ -26,6 +27,11 @@ tokenwire, with the same websockets settings (no compression, 20 s pings).
 It answers a `response.create` with the same events, encoded the same way
 (msgpack by default), at the same rate on the same absolute schedule as the
 scripted engine: the transport's ceiling, with no session logic.
+
+`--allocator` starts tokenwire on that allocator (`tokenwire serve
+--allocator`: its default, mimalloc, frees memory after a wave; pymalloc costs
+less CPU per token) and writes results/gateway_ceiling-<allocator>.*; every
+report names the allocator the server ran on (read from /proc).
 
 Clients are raw `websockets` connections in `--workers` separate processes
 (uvloop each). Every response is checked: status `completed`, the exact text
@@ -77,6 +83,7 @@ import numpy as np
 from ._server import (
     RESULTS,
     SCRATCH,
+    allocator_of,
     cpu_seconds,
     free_port,
     server_process,
@@ -703,7 +710,9 @@ def bare_process(rate: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 @contextmanager
-def server(kind: str, rate: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def server(
+    kind: str, rate: float, allocator: str | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     if kind == "bare":
         with bare_process(rate) as found:
             yield found
@@ -714,6 +723,7 @@ def server(kind: str, rate: float) -> Iterator[tuple[str, subprocess.Popen[bytes
         "--scripted-tokens-per-s",
         str(rate),
         *LIMIT_FLAGS,
+        *(("--allocator", allocator) if allocator else ()),
         "--log-level",
         "warning",
         log_name="gateway_ceiling-tokenwire.log",
@@ -797,8 +807,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # falls on both sides of each paired ratio.
                 kinds = ("tokenwire", "bare") if (i + rep) % 2 == 0 else ("bare", "tokenwire")
                 for kind in kinds:
-                    with server(kind, rate) as (url, proc):
+                    with server(kind, rate, args.allocator) as (url, proc):
                         row = one_level(url, proc, n, args, mode)
+                        if kind == "tokenwire":
+                            row["allocator"] = allocator_of(proc.pid)
                     row.update(mode=mode, server=kind, repeat=rep)
                     rows.append(row)
                     print(summary_line(row), flush=True)
@@ -830,6 +842,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ratios.append(ratio)
     return {
         "machine": code,
+        "allocator": ", ".join(sorted({r["allocator"] for r in rows if "allocator" in r})),
         # Others may commit while this runs; the servers started at different times.
         "code_changed_during_run": machine()["commit"] != code["commit"],
         "workers": args.workers,
@@ -906,7 +919,8 @@ def table(report: dict[str, Any]) -> str:
         f"Scripted engine (no model) against a bare `websockets` server sending the same "
         f"{report['protocol']} frames. {m['cpus']} cores ({m['cpu']}), shared by the server "
         f"(one event loop) and {report['workers']} client processes; "
-        f"{code_note(m, report['code_changed_during_run'])}. "
+        f"{code_note(m, report['code_changed_during_run'])}; tokenwire's allocator "
+        f"{report.get('allocator') or 'pymalloc'}. "
         "Cores = CPU seconds / wall seconds during the measured run; `other` is everything "
         "else on the machine meanwhile (other users' processes).",
         "",
@@ -1102,6 +1116,12 @@ def main() -> None:
         default=1,
         help="measure again when other processes took more than 0.25 cores meanwhile",
     )
+    parser.add_argument(
+        "--allocator",
+        choices=["mimalloc", "pymalloc", "malloc"],
+        help="tokenwire's --allocator (default: its own choice); results then go to "
+        "results/gateway_ceiling-<allocator>.*",
+    )
     parser.add_argument("--serve-bare", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1113,10 +1133,11 @@ def main() -> None:
     trace_gc()
     report = run(args)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gateway_ceiling.json").write_text(json.dumps(report, indent=2))
+    name = f"gateway_ceiling-{args.allocator}" if args.allocator else "gateway_ceiling"
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     text = table(report)
-    (RESULTS / "gateway_ceiling.md").write_text(text)
-    plot(report, RESULTS / "gateway_ceiling.png")
+    (RESULTS / f"{name}.md").write_text(text)
+    plot(report, RESULTS / f"{name}.png")
     print()
     print(text)
 

@@ -84,8 +84,21 @@ def test_each_allocator_has_its_row_and_the_note_names_it() -> None:
             **results(15.0, returned, 0.95, 0.4)["connections"],
             "allocator": allocator,
         }
+    after["gateway_ceiling-pymalloc"] = {
+        "machine": {"commit": "abc1234"},
+        "allocator": "pymalloc",
+        "ratios": [
+            {"mode": "max", "sessions": n, "tokens_per_s": r}
+            for n, r in ((100, 1.2), (1000, 0.85), (10_000, 1.05))
+        ],
+    }
     text = table(after, {})
     assert row(text, "the same, server on pymalloc")[2:4] == ["1.40 x", "**no**"]
+    assert row(text, "the same, 1,000 sessions, server on pymalloc")[2:4] == ["0.85 x", "**no**"]
+    assert row(text, "the same, 10,000 sessions, server on pymalloc")[2:4] == ["1.05 x", "yes"]
+    assert (
+        "`benchmarks.gateway_ceiling --allocator pymalloc`: measured at abc1234, allocator" in text
+    )
     assert row(text, "the same, server on glibc malloc")[2:4] == ["1.17 x", "**no**"]
     assert "`benchmarks.connections`: measured at abc1234, Test CPU, allocator mimalloc" in text
     assert "`benchmarks.connections --allocator pymalloc`: measured at" in text
