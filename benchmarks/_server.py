@@ -145,6 +145,23 @@ def allocator_of(pid: int) -> str:
     return "pymalloc"
 
 
+def add_allocator_option(parser: argparse.ArgumentParser, name: str) -> None:
+    """`--allocator`: the tokenwire server's own option, for a benchmark whose
+    results then go to results/<name>-<allocator>.* (`results_name`)."""
+    from tokenwire.allocator import CHOICES
+
+    parser.add_argument(
+        "--allocator",
+        choices=[c for c in CHOICES if c != "auto"],
+        help="the server's --allocator (default: its own choice); results then go to "
+        f"results/{name}-<allocator>.*",
+    )
+
+
+def results_name(name: str, allocator: str | None) -> str:
+    return f"{name}-{allocator}" if allocator else name
+
+
 def redis_ping(port: int) -> bool:
     """Whether a Redis server answers PING on `port`."""
     try:

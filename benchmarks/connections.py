@@ -42,7 +42,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ._server import RESULTS, allocator_of, cpu_seconds, tokenwire_process
+from ._server import (
+    RESULTS,
+    add_allocator_option,
+    allocator_of,
+    cpu_seconds,
+    results_name,
+    tokenwire_process,
+)
 from .gateway_ceiling import (
     BUSY,
     LIMIT_FLAGS,
@@ -358,17 +365,12 @@ def main() -> None:
         default=30,
         help="seconds to wait, before streaming, for other processes to go idle",
     )
-    parser.add_argument(
-        "--allocator",
-        choices=["mimalloc", "pymalloc", "malloc"],
-        help="the server's --allocator (default: its own choice); results then go to "
-        "connections-<value>.*",
-    )
+    add_allocator_option(parser, "connections")
     args = parser.parse_args()
     trace_gc()
     report = run(args)
     RESULTS.mkdir(exist_ok=True)
-    name = f"connections-{args.allocator}" if args.allocator else "connections"
+    name = results_name("connections", args.allocator)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     text = table(report)
     (RESULTS / f"{name}.md").write_text(text)

@@ -83,9 +83,11 @@ import numpy as np
 from ._server import (
     RESULTS,
     SCRATCH,
+    add_allocator_option,
     allocator_of,
     cpu_seconds,
     free_port,
+    results_name,
     server_process,
     tokenwire_process,
 )
@@ -1116,12 +1118,7 @@ def main() -> None:
         default=1,
         help="measure again when other processes took more than 0.25 cores meanwhile",
     )
-    parser.add_argument(
-        "--allocator",
-        choices=["mimalloc", "pymalloc", "malloc"],
-        help="tokenwire's --allocator (default: its own choice); results then go to "
-        "results/gateway_ceiling-<allocator>.*",
-    )
+    add_allocator_option(parser, "gateway_ceiling")
     parser.add_argument("--serve-bare", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1133,7 +1130,7 @@ def main() -> None:
     trace_gc()
     report = run(args)
     RESULTS.mkdir(exist_ok=True)
-    name = f"gateway_ceiling-{args.allocator}" if args.allocator else "gateway_ceiling"
+    name = results_name("gateway_ceiling", args.allocator)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     text = table(report)
     (RESULTS / f"{name}.md").write_text(text)
