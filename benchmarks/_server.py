@@ -134,6 +134,14 @@ def tokenwire_process(
         yield f"ws://127.0.0.1:{port}/v1/realtime", proc
 
 
+def rss_kib(pid: int) -> int:
+    """A process's resident set size, KiB; 0 once it has gone."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
 def allocator_of(pid: int) -> str:
     """The allocator a tokenwire server process runs on (`--allocator`), read
     off the libraries it mapped and the environment it was executed with."""

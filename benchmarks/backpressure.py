@@ -26,18 +26,11 @@ from websockets.asyncio.client import connect as ws_connect
 
 from tokenwire.client import connect
 
-from ._server import tokenwire_process
+from ._server import rss_kib, tokenwire_process
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RATE = 20.0
 TOKENS = 200  # 10 s per healthy stream
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def percentile(values: list[float], q: float) -> float:

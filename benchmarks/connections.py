@@ -48,6 +48,7 @@ from ._server import (
     allocator_of,
     cpu_seconds,
     results_name,
+    rss_kib,
     tokenwire_process,
 )
 from .gateway_ceiling import (
@@ -59,7 +60,6 @@ from .gateway_ceiling import (
     fmt,
     gc_pauses,
     machine,
-    rss_kib,
     trace_gc,
     wait_quiet,
 )

@@ -88,6 +88,7 @@ from ._server import (
     cpu_seconds,
     free_port,
     results_name,
+    rss_kib,
     server_process,
     tokenwire_process,
 )
@@ -111,13 +112,6 @@ LIMIT_FLAGS = (
 
 
 # -- measuring processes -------------------------------------------------------
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def busy_cpu_seconds() -> float:
