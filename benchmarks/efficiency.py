@@ -4,9 +4,9 @@ value, from the results the benchmarks last wrote; no figure is typed.
     .venv/bin/python -m benchmarks.efficiency [--before DIR]
 
 Reads `results/{connections,gateway_ceiling,vs_vllm}.json` (and the runs on
-other allocators, `SOURCES`), and the same files
-in `--before DIR` (default `results/before-19`: the code before the work,
-measured on the same kind of machine) for a column to compare. Writes
+other allocators, `SOURCES`), and the same files in `--before DIR` (default
+`results/before-19`: the code before the work, measured on the same kind of
+machine) for a column to compare. Writes
 `results/efficiency.md`, which `benchmarks.readme` copies into the README.
 """
 
