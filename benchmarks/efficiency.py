@@ -138,6 +138,18 @@ TARGETS: list[tuple[str, float, bool, str, Callable[[dict[str, Report]], float]]
         "x",
         frontend_cpu(32, "frontend_above_floor"),
     ),
+    # Not tokenwire: the least any server with that client in its process
+    # costs (the client plus one socket write per delta), against vLLM's.
+    *(
+        (
+            f"the written floor (AsyncLLM + a socket write per token) / vLLM, c={c}",
+            0.5,
+            True,
+            "x",
+            frontend_cpu(c, "written_floor"),
+        )
+        for c in (8, 32)
+    ),
 ]
 
 SOURCES = {

@@ -14,9 +14,18 @@ the same chat-templated prompts, the same batches (`measure_batch`'s prompt
 numbering for round `--key`). What a server's frontend CPU is above this
 floor is that server's own work.
 
+Beside each of those batches runs a *written* one: the same, and each delta's
+text is written as it comes to a loopback TCP connection that another process
+reads (one connection per request slot, opened before the batches). That is
+the least any server in front of this client does per token: one socket write
+(the kernel's loopback delivery counts to the writer, as it does for both
+servers). The two kinds of batch alternate (A B B A), so drifts of this
+machine's speed hit both alike.
+
 Prints one JSON object: per level, `frontend_us_per_token` (this process's
 threads' CPU over the batches' output tokens; the engine core is a child
-process and not counted) and `tokens`.
+process and not counted), `written_us_per_token` (the same for the written
+batches) and `tokens` (per kind).
 """
 
 from __future__ import annotations
@@ -25,10 +34,46 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from typing import Any
 
 from ._compare import first_prompt
 from ._server import threads_cpu_seconds
+
+# The reading end of the written batches: `n` connections to `port`, each
+# drained by a thread until the floor closes it.
+SINK = """
+import socket, sys, threading
+port, n = int(sys.argv[1]), int(sys.argv[2])
+def drain(s):
+    while s.recv(1 << 16):
+        pass
+conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+threads = [threading.Thread(target=drain, args=(s,)) for s in conns]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
+async def sink(n: int) -> tuple[asyncio.Queue[asyncio.StreamWriter], subprocess.Popen[bytes]]:
+    """`n` writable loopback connections whose far ends another process reads."""
+    writers: asyncio.Queue[asyncio.StreamWriter] = asyncio.Queue()
+    all_in = asyncio.Event()
+
+    async def accepted(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.put_nowait(writer)
+        if writers.qsize() == n:
+            all_in.set()
+
+    server = await asyncio.start_server(accepted, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader = subprocess.Popen([sys.executable, "-c", SINK, str(port), str(n)])
+    await asyncio.wait_for(all_in.wait(), 60)
+    server.close()
+    return writers, reader
 
 
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -62,35 +107,56 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         output_kind=RequestOutputKind.DELTA,
     )
 
-    async def one(i: int) -> int:
+    writers, reader = await sink(max(args.concurrency))
+
+    async def one(i: int, written: bool) -> int:
         # Templated per request, as a server does for each request it gets.
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt(i)}], add_generation_prompt=True, tokenize=False
         )
         ids = tokenizer.encode(text, add_special_tokens=False)
         got = 0
+        writer = await writers.get() if written else None
         async for out in llm.generate({"prompt_token_ids": ids}, params, f"floor-{i}"):
             got += len(out.outputs[0].token_ids)
+            if writer is not None:
+                writer.write(out.outputs[0].text.encode())
+        if writer is not None:
+            writers.put_nowait(writer)
         return got
 
-    async def batch(c: int, first: int) -> tuple[float, int]:
+    async def batch(c: int, first: int, written: bool) -> tuple[float, int]:
         before = threads_cpu_seconds(os.getpid())
-        tokens = sum(await asyncio.gather(*(one(first + i) for i in range(c))))
+        tokens = sum(await asyncio.gather(*(one(first + i, written) for i in range(c))))
         return threads_cpu_seconds(os.getpid()) - before, tokens
 
     try:
-        await batch(max(args.concurrency), 1_000_000)  # warm-up, as the servers get
+        await batch(max(args.concurrency), 1_000_000, True)  # warm-up, as the servers get
         out: dict[str, dict[str, float]] = {}
         for c in args.concurrency:
-            cpu = tokens = 0.0
+            cpu = {False: 0.0, True: 0.0}
+            tokens = {False: 0, True: 0}
             for b in range(args.batches):
-                # measure_batch's first attempt: the servers' prompts.
-                spent, got = await batch(c, first_prompt(args.key, b, c))
-                cpu, tokens = cpu + spent, tokens + got
-            out[str(c)] = {"frontend_us_per_token": cpu / tokens * 1e6, "tokens": tokens}
+                for written in (False, True) if b % 2 == 0 else (True, False):
+                    # The bare batch has the servers' prompts (measure_batch's
+                    # first attempt), the written one prompts of its own.
+                    first = first_prompt(args.key, b, c, attempt=int(written))
+                    spent, got = await batch(c, first, written)
+                    cpu[written] += spent
+                    tokens[written] += got
+            out[str(c)] = {
+                "frontend_us_per_token": cpu[False] / tokens[False] * 1e6,
+                "written_us_per_token": cpu[True] / tokens[True] * 1e6,
+                "tokens": tokens[False],
+            }
         return out
     finally:
         llm.shutdown()
+        while not writers.empty():
+            writer = writers.get_nowait()
+            writer.close()
+            await writer.wait_closed()
+        reader.wait(timeout=30)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -32,7 +32,8 @@ is run again (up to --retries times).
 After both servers of a round have stopped, `benchmarks.frontend_floor`
 measures the frontend floor with the round's prompts: vLLM's AsyncLLM client,
 which both servers run in their process, alone. Above it is each server's own
-work.
+work. Beside it, the written floor: that client plus one loopback socket write
+per delta, the least any server in front of it does per token.
 About 32 minutes with the defaults on 2 quiet cores (a server start takes
 20-25 s). Writes results/vs_vllm.{json,md,png}.
 """
@@ -236,7 +237,9 @@ def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
     floor = frontend_floor(args, r)
     print(
         "  floor (AsyncLLM alone): "
-        + ", ".join(f"c={c} {v['frontend_us_per_token']:.0f} µs/token" for c, v in floor.items()),
+        + ", ".join(f"c={c} {v['frontend_us_per_token']:.0f} µs/token" for c, v in floor.items())
+        + "; with a socket write per delta: "
+        + ", ".join(f"c={c} {v['written_us_per_token']:.0f}" for c, v in floor.items()),
         flush=True,
     )
     return {
@@ -321,11 +324,16 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {c} | {LABELS[side]} | {side_cells(r)} | "
                 f"{r['frontend_us_per_token']:.0f} | {r['other_cores_max']:.2f} |"
             )
+        dashes = " | ".join(["-"] * (TABLE_COLUMNS.count("|") + 1))
         if "floor" in report:
-            dashes = " | ".join(["-"] * (TABLE_COLUMNS.count("|") + 1))
             lines.append(
                 f"| {c} | vLLM's AsyncLLM client alone (floor) | {dashes} | "
                 f"{report['floor'][str(c)]:.0f} | |"
+            )
+        if "floor_written" in report:
+            lines.append(
+                f"| {c} | the floor + one socket write per delta (written floor) | {dashes} | "
+                f"{report['floor_written'][str(c)]:.0f} | |"
             )
         q = report["ratios"][str(c)]
         lines.append(
@@ -360,6 +368,14 @@ def markdown(report: dict[str, Any]) -> str:
             + ", ".join(
                 f"c={c}: {report['ratios'][str(c)]['frontend_above_floor']:.2f}x" for c in levels
             )
+            + "."
+        )
+    if "floor_written" in report:
+        lines[-1] += (
+            " Written floor: the same client, each delta's text written to a loopback TCP "
+            "connection another process reads, the least any server in front of it does per "
+            "token; it alone is this much of vLLM's whole frontend: "
+            + ", ".join(f"c={c}: {report['ratios'][str(c)]['written_floor']:.2f}x" for c in levels)
             + "."
         )
     return "\n".join(lines) + "\n"
@@ -408,6 +424,10 @@ def build_report(
         str(c): statistics.median(rd["floor"][str(c)]["frontend_us_per_token"] for rd in rounds)
         for c in args.concurrency
     }
+    report["floor_written"] = {
+        str(c): statistics.median(rd["floor"][str(c)]["written_us_per_token"] for rd in rounds)
+        for c in args.concurrency
+    }
     report["ratios"] = {}
     for c in map(str, args.concurrency):
         tw, vl, floor = report["tokenwire"][c], report["vllm"][c], report["floor"][c]
@@ -423,6 +443,8 @@ def build_report(
                 / rd["vllm"]["levels"][c]["tokens_per_s"]
                 for rd in rounds
             ],
+            # The least any server in front of the client costs, against vLLM's.
+            "written_floor": report["floor_written"][c] / vl["frontend_us_per_token"],
         }
     return report
 

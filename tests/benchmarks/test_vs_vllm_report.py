@@ -1,5 +1,7 @@
 """benchmarks.vs_vllm's report from made-up rounds: the frontend floor (vLLM's
-AsyncLLM client alone) is taken off both servers' CPU before their ratio."""
+AsyncLLM client alone) is taken off both servers' CPU before their ratio, and
+the written floor (that client plus a socket write per delta) is set against
+vLLM's whole frontend."""
 
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ def level(cpu_us: float) -> dict[str, Any]:
     }
 
 
-def a_round(tw: float, vllm: float, floor: float) -> dict[str, Any]:
+def a_round(tw: float, vllm: float, floor: float, written: float) -> dict[str, Any]:
     return {
         "tokenwire": {"startup_s": 20.0, "levels": {"8": level(tw)}},
         "vllm": {"startup_s": 20.0, "levels": {"8": level(vllm)}},
-        "floor": {"8": {"frontend_us_per_token": floor, "tokens": 1024}},
+        "floor": {
+            "8": {"frontend_us_per_token": floor, "written_us_per_token": written, "tokens": 1024}
+        },
     }
 
 
@@ -34,8 +38,12 @@ def test_the_floor_comes_off_both_servers_before_their_ratio() -> None:
     args = argparse.Namespace(
         tokens=64, concurrency=[8], repeats=3, batches=2, quiet_cores=0.15, retries=1
     )
-    # Medians over rounds: tokenwire 180, vLLM 280, floor 100.
-    rounds = [a_round(180, 280, 100), a_round(170, 300, 90), a_round(200, 270, 110)]
+    # Medians over rounds: tokenwire 180, vLLM 280, floor 100, written floor 140.
+    rounds = [
+        a_round(180, 280, 100, 150),
+        a_round(170, 300, 90, 140),
+        a_round(200, 270, 110, 120),
+    ]
     report = build_report(args, rounds, {"code": {}, "vllm_version": "test"}, 1.0)
     assert report["floor"] == {"8": 100}
     q = report["ratios"]["8"]
@@ -44,3 +52,7 @@ def test_the_floor_comes_off_both_servers_before_their_ratio() -> None:
     text = markdown(report)
     assert "| 8 | vLLM's AsyncLLM client alone (floor) | - | - | - | - | - | 100 | |" in text
     assert "c=8: 0.44x." in text
+    assert report["floor_written"] == {"8": 140}
+    assert q["written_floor"] == 140 / 280
+    assert "| 8 | the floor + one socket write per delta (written floor) | - |" in text
+    assert "vLLM's whole frontend: c=8: 0.50x." in text
