@@ -150,6 +150,16 @@ TARGETS: list[tuple[str, float, bool, str, Callable[[dict[str, Report]], float]]
         )
         for c in (8, 32)
     ),
+    *(
+        (
+            f"each server's own work above the written floor, tokenwire / vLLM, c={c}",
+            0.5,
+            True,
+            "x",
+            frontend_cpu(c, "frontend_above_written_floor"),
+        )
+        for c in (8, 32)
+    ),
 ]
 
 SOURCES = {

@@ -56,3 +56,5 @@ def test_the_floor_comes_off_both_servers_before_their_ratio() -> None:
     assert q["written_floor"] == 140 / 280
     assert "| 8 | the floor + one socket write per delta (written floor) | - |" in text
     assert "vLLM's whole frontend: c=8: 0.50x." in text
+    assert q["frontend_above_written_floor"] == (180 - 140) / (280 - 140)
+    assert "Above the written floor, tokenwire / vLLM: c=8: 0.29x." in text
