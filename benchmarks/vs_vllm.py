@@ -84,6 +84,11 @@ from ._server import (
 
 SIDES = ("tokenwire", "vllm")
 LABELS = {"tokenwire": "tokenwire (WS)", "vllm": "vLLM OpenAI (SSE)"}
+# The report's floor rows: key, label.
+FLOORS = (
+    ("floor", "vLLM's AsyncLLM client alone (floor)"),
+    ("floor_written", "the floor + one socket write per delta (written floor)"),
+)
 
 
 def prompt(i: int) -> str:
@@ -325,16 +330,9 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{r['frontend_us_per_token']:.0f} | {r['other_cores_max']:.2f} |"
             )
         dashes = " | ".join(["-"] * (TABLE_COLUMNS.count("|") + 1))
-        if "floor" in report:
-            lines.append(
-                f"| {c} | vLLM's AsyncLLM client alone (floor) | {dashes} | "
-                f"{report['floor'][str(c)]:.0f} | |"
-            )
-        if "floor_written" in report:
-            lines.append(
-                f"| {c} | the floor + one socket write per delta (written floor) | {dashes} | "
-                f"{report['floor_written'][str(c)]:.0f} | |"
-            )
+        for key, label in FLOORS:
+            if key in report:
+                lines.append(f"| {c} | {label} | {dashes} | {report[key][str(c)]:.0f} | |")
         q = report["ratios"][str(c)]
         lines.append(
             f"| {c} | **ratio tw/vLLM** | **{q['tokens_per_s']:.3f}x** | {ratio_cells(q)} | "
@@ -425,14 +423,15 @@ def build_report(
             str(c): level_summary([rd[side]["levels"][str(c)] for rd in rounds])
             for c in args.concurrency
         }
-    report["floor"] = {
-        str(c): statistics.median(rd["floor"][str(c)]["frontend_us_per_token"] for rd in rounds)
-        for c in args.concurrency
-    }
-    report["floor_written"] = {
-        str(c): statistics.median(rd["floor"][str(c)]["written_us_per_token"] for rd in rounds)
-        for c in args.concurrency
-    }
+    # benchmarks.frontend_floor's two figures, by the report key each goes to.
+    for key, measured in (
+        ("floor", "frontend_us_per_token"),
+        ("floor_written", "written_us_per_token"),
+    ):
+        report[key] = {
+            str(c): statistics.median(rd["floor"][str(c)][measured] for rd in rounds)
+            for c in args.concurrency
+        }
     report["ratios"] = {}
     for c in map(str, args.concurrency):
         tw, vl, floor = report["tokenwire"][c], report["vllm"][c], report["floor"][c]
