@@ -7,7 +7,7 @@ The load of benchmarks/vs_vllm.py (its prompts, 64 tokens, ignore_eos,
 temperature 0, all clients released at once at each concurrency) runs
 (a) straight into `AsyncLLM.generate` in one process: the same engine args as
     server/tokenwire/engines/vllm.py (float32, max_model_len 2048,
-    enforce_eager, prefix caching, stats on with tokenwire's load tracker,
+    enforce_eager, prefix caching, stats on with tokenwire's stat loggers,
     VLLM_CPU_KVCACHE_SPACE=1), the prompt rendered by the tokenizer's chat
     template and submitted as token ids, DELTA outputs. This is the most any
     server in front of this engine can deliver on this machine;
@@ -130,15 +130,11 @@ async def asyncllm_one(
 
 
 async def asyncllm_phase(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from tokenwire.engines.vllm import _load_tracker_class
+    from tokenwire.engines.vllm_stats import async_llm, load_tracker_class
 
     t0 = time.perf_counter()
-    # The same stat loggers as the server: its load tracker turns vLLM's stats on.
-    llm = AsyncLLM.from_engine_args(
-        engine_args(str(resolve_model(None))), stat_loggers=[_load_tracker_class()]
-    )
+    # Built as the server builds it, with its stat loggers.
+    llm = async_llm(engine_args(str(resolve_model(None))), load_tracker_class())
     startup = time.perf_counter() - t0
     try:
         tokenizer = llm.get_tokenizer()

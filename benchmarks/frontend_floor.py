@@ -6,9 +6,12 @@
 Both servers `benchmarks.vs_vllm` compares run this client in their own
 process (tokenwire's vLLM engine, and vLLM's api_server): it takes the
 engine's outputs off ZMQ, detokenizes them, keeps vLLM's statistics and
-`vllm:*` metrics, and wakes each request's stream. Here it runs with nothing
-around it: no server, no network, one task per request that only counts what
-it gets. The same engine settings as both servers (`VLLM_SETTINGS`: float32,
+`vllm:*` metrics, and wakes each request's stream. Here it runs as vLLM's
+api_server runs it, with vLLM's own stat loggers, and with nothing around it:
+no server, no network, one task per request that only counts what it gets.
+(tokenwire gives the client lighter loggers, server/tokenwire/engines/
+vllm_stats.py: what it saves there counts as less work of its own.)
+The same engine settings as both servers (`VLLM_SETTINGS`: float32,
 a 2048-token context, eager mode, 1 GiB KV cache, prefix caching, stats on),
 the same chat-templated prompts, the same batches (`measure_batch`'s prompt
 numbering for round `--key`). What a server's frontend CPU is above this

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from weakref import WeakMethod
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -167,5 +168,21 @@ GUARDRAIL_FAILURES = Counter(
 )
 
 
+# Called before each scrape: metrics recorded in batches flush their last one.
+# Weak, so an engine that is gone leaves no hook behind.
+_BEFORE_SCRAPE: list[WeakMethod[Callable[[], None]]] = []
+
+
+def before_scrape(flush: Callable[[], None]) -> None:
+    """Have `flush` (a bound method) called before each scrape."""
+    _BEFORE_SCRAPE.append(WeakMethod(flush))  # type: ignore[arg-type]
+
+
 def render() -> tuple[bytes, str]:
+    for ref in list(_BEFORE_SCRAPE):
+        flush = ref()
+        if flush is None:
+            _BEFORE_SCRAPE.remove(ref)
+        else:
+            flush()
     return generate_latest(), CONTENT_TYPE_LATEST

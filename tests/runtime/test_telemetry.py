@@ -78,3 +78,28 @@ def test_response_done_feeds_ttft_and_active_responses() -> None:
     assert sum(metrics.TTFT.counts) == ttft + 1
     assert metrics.ACTIVE_RESPONSES.value == active - 1
     assert sum(metrics.INTER_TOKEN.counts) == gaps  # a delta alone is not a gap
+
+
+def test_a_scrape_flushes_what_waits_in_a_batch_first() -> None:
+    """Metrics recorded in batches (vLLM's, engines/vllm_stats.py) flush
+    before each scrape; a flusher that is gone drops out."""
+    registry = CollectorRegistry()
+    gauge = Gauge("batched_steps", "steps", registry=registry)
+
+    class Batch:
+        def __init__(self) -> None:
+            self.pending = 0
+
+        def flush(self) -> None:
+            gauge.inc(self.pending)
+            self.pending = 0
+
+    batch = Batch()
+    metrics.before_scrape(batch.flush)
+    batch.pending = 3
+    metrics.render()
+    assert (batch.pending, gauge._value.get()) == (0, 3)
+    hooks = len(metrics._BEFORE_SCRAPE)
+    del batch
+    metrics.render()
+    assert len(metrics._BEFORE_SCRAPE) == hooks - 1

@@ -8,6 +8,7 @@ conftest). The engine's own scheduler counts (running/waiting) come from
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import pytest
 
@@ -110,3 +111,35 @@ async def test_a_seed_makes_sampling_reproducible(vllm_server: VllmServer) -> No
         first, again, other = await sample(1234), await sample(1234), await sample(99)
         assert first and first == again
         assert other != first
+
+
+def vllm_totals(server: VllmServer) -> dict[str, float]:
+    """vLLM's own counters on tokenwire's /metrics, summed over engines."""
+    with urllib.request.urlopen(server.http + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    totals = dict.fromkeys(("vllm:generation_tokens_total", "vllm:request_success_total"), 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+async def test_vllms_own_metrics_count_every_step_at_each_scrape(
+    vllm_server: VllmServer,
+) -> None:
+    """vLLM's `vllm:*` metrics are recorded in batches of steps (vllm_stats.py):
+    a scrape still sees every token. 150 tokens: more steps than one batch, so
+    one flush comes from the batch filling and the rest from the scrape."""
+    await asyncio.to_thread(vllm_server.wait_idle)
+    before = await asyncio.to_thread(vllm_totals, vllm_server)
+    ask = [{"type": "message", "role": "user", "content": "Count upwards from one."}]
+    async with await connect(vllm_server.url) as tw:
+        response = await tw.create_response(
+            conversation="none", input=ask, temperature=0, max_output_tokens=150, ignore_eos=True
+        )
+        done = await response.done()
+    assert done["usage"]["output_tokens"] == 150
+    after = await asyncio.to_thread(vllm_totals, vllm_server)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 150
+    assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 1

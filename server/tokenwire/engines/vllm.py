@@ -13,7 +13,7 @@ import os
 import zlib
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from ..logs import get_logger
 from .base import (
@@ -26,47 +26,12 @@ from .base import (
 from .chat_template import ChatTemplate
 from .startup import Startup
 from .toolcalls import ParserStream, forced_scanner, structured_schema
+from .vllm_stats import async_llm, load_tracker_class
 
 if TYPE_CHECKING:
     from ..config import ServerConfig
 
 log = get_logger("tokenwire.engines.vllm")
-
-
-def _load_tracker_class() -> type:
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class LoadTracker(StatLoggerBase):
-        """Keeps each data-parallel rank's latest running/waiting counts."""
-
-        by_rank: ClassVar[dict[int, dict[str, int]]] = {}
-
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
-
-        @classmethod
-        def totals(cls) -> dict[str, int]:
-            ranks = list(cls.by_rank.values())
-            return {k: sum(r[k] for r in ranks) for k in ("running", "waiting")}
-
-        def record(
-            self,
-            scheduler_stats: Any,
-            iteration_stats: Any,
-            mm_cache_stats: Any = None,
-            engine_idx: int = 0,
-        ) -> None:
-            if scheduler_stats is not None:
-                LoadTracker.by_rank[engine_idx] = {
-                    "running": scheduler_stats.num_running_reqs,
-                    "waiting": scheduler_stats.num_waiting_reqs
-                    + scheduler_stats.num_skipped_waiting_reqs,
-                }
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return LoadTracker
 
 
 def rank_of(session_id: str | None, ranks: int) -> int | None:
@@ -117,8 +82,6 @@ class VllmEngine:
         # The flag (or TOKENWIRE_KV_CACHE_GIB) is the one knob; vLLM reads this.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.config.kv_cache_gib:g}"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         settings = engine_args(
             self.config.vllm_args,
             model=self.model_path,
@@ -130,7 +93,7 @@ class VllmEngine:
             log.info("engine_setting", note=note)
         args = settings.args
         self.model_path = args.model
-        self._tracker = _load_tracker_class()
+        self._tracker = load_tracker_class()
         log.info(
             "engine_starting",
             model=args.model,
@@ -139,9 +102,7 @@ class VllmEngine:
             scheduling_policy=args.scheduling_policy,
         )
         # Building the engine blocks for ~25 s; keep the event loop serving.
-        self._llm = await asyncio.to_thread(
-            AsyncLLM.from_engine_args, args, stat_loggers=[self._tracker]
-        )
+        self._llm = await asyncio.to_thread(async_llm, args, self._tracker)
         self._tokenizer = self._llm.get_tokenizer()
         self._template = ChatTemplate(self._tokenizer)
         self._max_len = self._llm.model_config.max_model_len
