@@ -66,11 +66,13 @@ from ._compare import (
     interval_text,
     level_summary,
     measure_round,
+    paired_interval,
     plot_sides,
     ratio_cells,
     ratios,
     round_parser,
     side_cells,
+    verdict,
 )
 from ._server import (
     RESULTS,
@@ -357,9 +359,19 @@ def markdown(report: dict[str, Any]) -> str:
         "vLLM's api_server; not the engine processes below it) over a batch, connecting "
         "included, per output token.",
     ]
+    if "frontend_us_per_token_rounds" in report["ratios"][str(levels[0])]:
+        lines[-1] += " Paired frontend CPU ratios tw/vLLM, one per round, and their " + (
+            "geometric mean with its 95% confidence interval, against #19's 0.5x target: "
+            + "; ".join(
+                paired_text(report["ratios"][str(c)]["frontend_us_per_token_rounds"], 0.5, c)
+                for c in levels
+            )
+            + "."
+        )
     if "floor" in report:
         lines[-1] += (
-            " Floor: vLLM's AsyncLLM client, which both servers run in their process, alone "
+            " Floor: vLLM's AsyncLLM client, which both servers run in their process, alone, "
+            "as vLLM's server runs it (tokenwire gives it lighter stat loggers) "
             "(benchmarks.frontend_floor: no server, no network; same settings and prompts; "
             "run after both servers of the round stopped). Above the floor, each server's own "
             "work, tokenwire / vLLM: "
@@ -382,6 +394,12 @@ def markdown(report: dict[str, Any]) -> str:
             + "."
         )
     return "\n".join(lines) + "\n"
+
+
+def paired_text(ratios: list[float], target: float, c: int) -> str:
+    mean, low, high = paired_interval(ratios)
+    each = ", ".join(f"{x:.2f}" for x in ratios)
+    return f"c={c}: {each} ({mean:.3f} [{low:.3f}, {high:.3f}], {verdict(low, high, target)})"
 
 
 def write_report(report: dict[str, Any]) -> None:
@@ -446,6 +464,13 @@ def build_report(
             "tokens_per_s_rounds": [
                 rd["tokenwire"]["levels"][c]["tokens_per_s"]
                 / rd["vllm"]["levels"][c]["tokens_per_s"]
+                for rd in rounds
+            ],
+            # Paired too: on a day this machine's speed swings between rounds,
+            # the ratio of the sides' medians can mix two states.
+            "frontend_us_per_token_rounds": [
+                rd["tokenwire"]["levels"][c]["frontend_us_per_token"]
+                / rd["vllm"]["levels"][c]["frontend_us_per_token"]
                 for rd in rounds
             ],
             # The least any server in front of the client costs, against vLLM's.

@@ -58,3 +58,6 @@ def test_the_floor_comes_off_both_servers_before_their_ratio() -> None:
     assert "vLLM's whole frontend: c=8: 0.50x." in text
     assert q["frontend_above_written_floor"] == (180 - 140) / (280 - 140)
     assert "Above the written floor, tokenwire / vLLM: c=8: 0.29x." in text
+    # Paired per round too, against the 0.5x target.
+    assert q["frontend_us_per_token_rounds"] == [180 / 280, 170 / 300, 200 / 270]
+    assert "against #19's 0.5x target: c=8: 0.64, 0.57, 0.74 (0.646 [" in text
