@@ -13,6 +13,10 @@ class Proxy:
         self.drop_downstream = False  # swallow what the server sends
         self.refuse = False  # close new connections at once
         self.dropped = 0  # bytes swallowed
+        self.forwarded_down = 0  # bytes passed on from the server, all connections
+        # Swallow what the server sends once this many bytes have passed in all:
+        # a stall at a set point of a stream, however fast the reader is.
+        self.drop_downstream_after: int | None = None
         self.connections = 0  # connections made to the target
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -62,6 +66,18 @@ class Proxy:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _passed(self, data: bytes, upstream: bool) -> bytes:
+        """What of `data` goes on; the rest is swallowed."""
+        if upstream:
+            keep = 0 if self.drop_upstream else len(data)
+        else:
+            keep = 0 if self.drop_downstream else len(data)
+            if self.drop_downstream_after is not None:
+                keep = min(keep, max(self.drop_downstream_after - self.forwarded_down, 0))
+            self.forwarded_down += keep
+        self.dropped += len(data) - keep
+        return data[:keep]
+
     async def _pump(
         self,
         src: asyncio.StreamReader,
@@ -71,11 +87,10 @@ class Proxy:
     ) -> None:
         with contextlib.suppress(OSError, asyncio.CancelledError):
             while data := await src.read(65536):
-                if self.drop_upstream if upstream else self.drop_downstream:
-                    self.dropped += len(data)
-                    continue
-                dst.write(data)
-                await dst.drain()
+                passed = self._passed(data, upstream)
+                if passed:
+                    dst.write(passed)
+                    await dst.drain()
         # One side ended: end the other, as a TCP connection would.
         for w in pair:
             w.transport.abort()

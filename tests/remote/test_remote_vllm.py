@@ -164,17 +164,22 @@ async def test_a_stalled_replica_times_out_and_the_generation_moves_on(
         await engine.start()
         try:
             sid = session_pinned_to(0, 2)
+            before = proxy.forwarded_down
             whole = [d async for d in engine.generate(story("steady", 30, sid))]
+            # A third of the same stream's bytes pass, then the replica is alive
+            # but says nothing more. Set in bytes, not on seeing tokens: on a
+            # busy loop the whole answer can be through before a test reacts.
+            size = proxy.forwarded_down - before
+            proxy.drop_downstream_after = proxy.forwarded_down + size // 3
             parts: list[EngineDelta] = []
             t0 = time.monotonic()
             async for delta in engine.generate(story("stalled", 30, sid)):
                 parts.append(delta)
-                if sum(d.output_tokens for d in parts) >= 5:
-                    proxy.drop_downstream = True  # alive, but says nothing more
             took = time.monotonic() - t0
         finally:
             await engine.close()
     assert engine.replicas[0].failures == 1 and engine.replicas[1].requests == 1
+    assert proxy.dropped > 0
     assert [t for d in parts for t in d.token_ids or ()] == [
         t for d in whole for t in d.token_ids or ()
     ]
