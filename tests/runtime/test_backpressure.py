@@ -87,8 +87,9 @@ async def test_stalled_client_beside_healthy_one(server: TokenwireServer) -> Non
     await stream(stalled, 1_000_000)
     await until(lambda: any(c.paused for c in server.connections), "a generation paused")
     (stalled_conn,) = server.connections
-    # The stalled client's generation is paused: its engine slot is free.
-    assert server.engine.load().running == 0
+    # The stalled client's generation is paused: its engine slot is freed once
+    # the aborted generation task has run its cancellation (a loop turn later).
+    await until(lambda: server.engine.load().running == 0, "the paused generation's slot freed")
     async with await connect(url_of(server)) as healthy:
         response = await healthy.create_response(ignore_eos=True, max_output_tokens=3000)
         assert await response.text() == expected(3000)
