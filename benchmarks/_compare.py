@@ -52,10 +52,10 @@ def verdict(low: float, high: float, target: float = 1.0) -> str:
     return "no difference from it detectable"
 
 
-def interval_text(ratios: Sequence[float]) -> str:
-    """`mean [low, high], verdict` of paired ratios, against 1.0x."""
+def interval_text(ratios: Sequence[float], target: float = 1.0) -> str:
+    """`mean [low, high], verdict` of paired ratios, against `target`."""
     mean, low, high = paired_interval(ratios)
-    return f"{mean:.3f} [{low:.3f}, {high:.3f}], {verdict(low, high)}"
+    return f"{mean:.3f} [{low:.3f}, {high:.3f}], {verdict(low, high, target)}"
 
 
 def percentile(values: list[float], q: float) -> float:

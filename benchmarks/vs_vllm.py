@@ -66,13 +66,11 @@ from ._compare import (
     interval_text,
     level_summary,
     measure_round,
-    paired_interval,
     plot_sides,
     ratio_cells,
     ratios,
     round_parser,
     side_cells,
-    verdict,
 )
 from ._server import (
     RESULTS,
@@ -397,9 +395,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def paired_text(ratios: list[float], target: float, c: int) -> str:
-    mean, low, high = paired_interval(ratios)
     each = ", ".join(f"{x:.2f}" for x in ratios)
-    return f"c={c}: {each} ({mean:.3f} [{low:.3f}, {high:.3f}], {verdict(low, high, target)})"
+    return f"c={c}: {each} ({interval_text(ratios, target)})"
 
 
 def write_report(report: dict[str, Any]) -> None:
