@@ -83,6 +83,13 @@ export interface ResponseParams {
   metadata?: Record<string, string>;
   /** Scheduling priority of this response; a lower value runs first. */
   priority?: number;
+  /** The sampler's seed: the same seed samples the same answer. */
+  seed?: number | null;
+  /** false: the response cache neither serves nor stores this response. */
+  cache?: boolean;
+  /** Tokens per text delta (the first and last come at once): fewer frames
+   * and less server CPU when each token need not be seen as it comes. */
+  stream_interval?: number;
   /** Benchmarking knob: generate exactly max_output_tokens. */
   ignore_eos?: boolean;
 }

@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from itertools import accumulate
 
 import pytest
 import pytest_asyncio
@@ -157,6 +158,26 @@ async def test_max_output_tokens_is_exact_with_ignore_eos(engine: Engine) -> Non
     deltas = await collect(engine, request(max_output_tokens=7, ignore_eos=True))
     assert sum(d.output_tokens for d in deltas) == 7
     assert deltas[-1].finish_reason == "length"
+
+
+async def test_stream_interval_groups_tokens_and_keeps_the_text(engine: Engine) -> None:
+    """The first token at once, then groups of stream_interval, the rest last;
+    the same text and token ids as one token per delta."""
+    one = await collect(engine, request("Tell me a story.", max_output_tokens=18, ignore_eos=True))
+    grouped = await collect(
+        engine,
+        request("Tell me a story.", max_output_tokens=18, ignore_eos=True, stream_interval=4),
+    )
+    # Ends of deltas: after token 1, 5, 9, 13, 17, 18 ([1, 4, 4, 4, 4, 1]). A
+    # consumer that falls behind may get two as one, so each end is checked.
+    ends = list(accumulate(d.output_tokens for d in grouped))
+    assert ends[-1] == 18 and len(ends) <= 6, ends
+    assert all(end % 4 == 1 for end in ends[:-1]), ends
+    assert [d.finish_reason for d in grouped][-2:] == [None, "length"]
+    assert text_of(grouped) == text_of(one)
+    assert [t for d in grouped for t in d.token_ids or ()] == [
+        t for d in one for t in d.token_ids or ()
+    ]
 
 
 async def test_preflight_refuses_what_cannot_fit(engine: Engine) -> None:

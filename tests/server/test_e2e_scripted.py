@@ -253,3 +253,30 @@ async def test_many_sessions_are_isolated(scripted: RunningServer) -> None:
 
     answers = await asyncio.gather(*(one(i) for i in range(20)))
     assert answers == [f"You said: client {i}" for i in range(20)]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_stream_interval_sends_tokens_in_groups(
+    scripted: RunningServer, protocol: str
+) -> None:
+    async with await connect(scripted.url, protocol=protocol) as tw:
+        response = await tw.create_response(
+            ignore_eos=True, max_output_tokens=10, stream_interval=4
+        )
+        deltas = [d async for d in response.text_deltas()]
+        assert deltas == [" t0", " t1 t2 t3 t4", " t5 t6 t7 t8", " t9"]
+        done = await response.done()
+        assert done["usage"]["output_tokens"] == 10
+        assert done["output"][0]["content"] == "".join(deltas)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "4", True, (1 << 16) + 1])
+async def test_a_bad_stream_interval_is_an_invalid_field(
+    scripted: RunningServer, value: object
+) -> None:
+    async with await connect(scripted.url) as tw:
+        with pytest.raises(TokenwireError) as info:
+            await tw.create_response(stream_interval=value)
+        assert info.value.code == "invalid_field"
+        assert info.value.error["param"] == "response.stream_interval"
+        await assert_alive(tw)

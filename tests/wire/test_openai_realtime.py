@@ -807,7 +807,11 @@ def test_a_random_walk_gives_only_valid_ga_frames(seed: int) -> None:
 
 
 def test_tokenwire_response_extensions_pass() -> None:
-    frame = {"type": "response.create", "response": {"seed": 7, "cache": False, "temperature": 1}}
+    frame = {
+        "type": "response.create",
+        "response": {"seed": 7, "cache": False, "temperature": 1, "stream_interval": 8},
+    }
     parsed = OpenAIRealtime().parse(json.dumps(frame))
     response = parse_client_event(parsed).response
     assert (response.seed, response.cache, response.temperature) == (7, False, 1)
+    assert response.stream_interval == 8

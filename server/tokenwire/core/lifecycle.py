@@ -254,14 +254,14 @@ class Lifecycle:
             session_id=self.session_id,
             cache=params.get("cache", True),
             seed=params.get("seed"),
+            stream_interval=params.get("stream_interval", 1),
             cache_salt=self.cache_salt,
         )
 
     def checked_request(
         self, resp: Response, extra: list[Item], event_id: str | None
     ) -> GenerationRequest:
-        """The next request, through the engine's preflight (a ProtocolError if
-        it cannot run)."""
+        """The next request, through the engine's preflight (or a ProtocolError)."""
         request = self._next_request(resp, extra)
         if self._preflight is None:
             return request

@@ -261,7 +261,12 @@ class Session:
         params = {key: given.get(key, self.config[key]) for key in _RESPONSE_SETTINGS}
         limit = params["max_output_tokens"] or self.limits.default_max_output_tokens
         params["max_output_tokens"] = None if limit == "inf" else limit
-        params.update(ignore_eos=rp.ignore_eos, cache=rp.cache, seed=rp.seed)
+        params.update(
+            ignore_eos=rp.ignore_eos,
+            cache=rp.cache,
+            seed=rp.seed,
+            stream_interval=rp.stream_interval,
+        )
         check_tool_choice(params["tool_choice"], params["tools"], event_id, "response.tool_choice")
         self._check_priority(given.get("priority"), event_id, "response.priority")
         inputs = conv.response_inputs(rp.input, event_id) if rp.input else []

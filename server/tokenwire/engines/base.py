@@ -39,6 +39,9 @@ class GenerationRequest:
     cache: bool = True
     # The sampler's seed (None: random); with one, the output is reproducible.
     seed: int | None = None
+    # Tokens per delta: the engine emits the first and last at once, the rest
+    # in groups of this many (vLLM's stream_interval).
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -291,6 +291,7 @@ class RemoteEngine:
             skip_special_tokens=plan.skip_special_tokens,
             schema=plan.schema,
             seed=request.seed,
+            stream_interval=request.stream_interval,
         )
         priority, salt = request.priority, request.cache_salt
         rid = request.request_id if attempt == 0 else f"{request.request_id}-retry{attempt}"

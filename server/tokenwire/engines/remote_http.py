@@ -53,6 +53,7 @@ def sampling(
     skip_special_tokens: bool,
     schema: dict[str, Any] | None,
     seed: int | None = None,
+    stream_interval: int = 1,
 ) -> dict[str, Any]:
     """vLLM sampling parameters, as both endpoints name them."""
     params: dict[str, Any] = {
@@ -63,6 +64,8 @@ def sampling(
     }
     if seed is not None:
         params["seed"] = seed
+    if stream_interval > 1:
+        params["stream_interval"] = stream_interval
     if schema is not None:
         # `structured_outputs`, not `guided_json`: vLLM 0.32 ignores the latter.
         params["structured_outputs"] = {"json": schema}

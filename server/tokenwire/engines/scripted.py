@@ -177,6 +177,8 @@ class ScriptedEngine:
             if last < skip:
                 yield EngineDelta("", 0, finish, prompt_tokens, 0)
                 return
+            group = request.stream_interval
+            held: list[str] = []  # tokens made but not yet emitted (stream_interval)
             for i, tok in enumerate(islice(tokens, skip, None), skip):
                 if interval:
                     # Sleep to an absolute schedule so the rate does not drift.
@@ -184,17 +186,24 @@ class ScriptedEngine:
                     await asyncio.sleep(delay if delay > 0 else 0)
                 else:
                     await _yield_to_loop()
+                ids = [i]
+                if group > 1:
+                    # As vLLM: the first and last at once, the rest in groups.
+                    held.append(tok)
+                    if i != skip and i != last and len(held) < group:
+                        continue
+                    tok, ids, held = "".join(held), list(range(i + 1 - len(held), i + 1)), []
                 calls: list[ToolCallDelta] | None = None
                 if scanner is not None:
                     calls, tok = scanner.feed(tok), ""
                 yield EngineDelta(
                     tok,
-                    1,
+                    len(ids),
                     finish if i == last else None,
                     prompt_tokens if i == skip else None,
                     0 if i == skip else None,
                     calls or None,
-                    [i],
+                    ids,
                 )
         finally:
             self._running -= 1

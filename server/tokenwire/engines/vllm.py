@@ -179,6 +179,8 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
             skip_special_tokens=parser.skip_special_tokens if parser else True,
             structured_outputs=StructuredOutputsParams(json=schema) if schema else None,
+            # None leaves the engine's --stream-interval (a request only raises it).
+            stream_interval=request.stream_interval if request.stream_interval > 1 else None,
         )
         if request.priority and not self.capabilities.priority and not self._warned_priority:
             self._warned_priority = True

@@ -13,8 +13,8 @@ Refused with a GA code (wire/openai_errors.py): audio use, stored prompts, MCP
 tools, item references and client-made function_call items, conversations
 other than auto/none, `conversation.item.truncate` (audio only in GA), `input_audio_buffer.*`,
 `output_audio_buffer.clear`, and tokenwire's own `response.steer` and
-`session.resume`. tokenwire's `temperature`, `priority`, `tool_timeout_s`, `seed`, `cache` and
-`ignore_eos` pass as extensions.
+`session.resume`. tokenwire's `temperature`, `priority`, `tool_timeout_s`, `seed`, `cache`,
+`stream_interval` and `ignore_eos` pass as extensions.
 
 Server events (`encode_all`): one internal event -> GA frames; main one marked *.
 - session.created / .updated / .resumed -> session.created* / session.updated*
@@ -90,7 +90,9 @@ _EXTENSIONS = {"temperature", "priority"}
 _SESSION_PASS = _SETTINGS | _EXTENSIONS | {"tool_timeout_s"}
 _SESSION_DROP = {"type", "model", "tracing", "truncation", "reasoning", "include", "audio"}
 _RESPONSE_PASS = (
-    _SETTINGS | _EXTENSIONS | {"metadata", "conversation", "input", "ignore_eos", "seed", "cache"}
+    _SETTINGS
+    | _EXTENSIONS
+    | {"metadata", "conversation", "input", "ignore_eos", "seed", "cache", "stream_interval"}
 )
 _RESPONSE_DROP = {"audio", "reasoning"}
 _CHECKED = {"output_modalities", "prompt"}  # refused unless harmless, then dropped
