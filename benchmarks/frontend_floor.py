@@ -1,7 +1,7 @@
 """The frontend floor: CPU per output token of vLLM's `AsyncLLM` client alone.
 
     .venv/bin/python -m benchmarks.frontend_floor [--concurrency 1 8 32]
-        [--tokens 64] [--batches 2] [--key 0]
+        [--tokens 64] [--batches 2] [--key 0] [--stream-interval 1]
 
 Both servers `benchmarks.vs_vllm` compares run this client in their own
 process (tokenwire's vLLM engine, and vLLM's api_server): it takes the
@@ -108,6 +108,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         max_tokens=args.tokens,
         ignore_eos=True,
         output_kind=RequestOutputKind.DELTA,
+        stream_interval=args.stream_interval if args.stream_interval > 1 else None,
     )
 
     writers, reader = await sink(max(args.concurrency))
@@ -171,6 +172,7 @@ def parser() -> argparse.ArgumentParser:
     made.add_argument("--tokens", type=int, default=64)
     made.add_argument("--batches", type=int, default=2)
     made.add_argument("--key", type=int, default=0, help="the vs_vllm round whose prompts to use")
+    made.add_argument("--stream-interval", type=int, default=1, help="tokens per delta")
     return made
 
 

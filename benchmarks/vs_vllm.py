@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.vs_vllm [--concurrency 1 8 32] [--tokens 64]
         [--repeats 5] [--batches 2] [--quiet-cores 0.15] [--retries 1]
+        [--stream-interval 1]
 
 Same machine, same SmolLM2 checkpoint, float32, max_model_len 2048,
 enforce_eager, 1 GiB KV cache, prefix caching on both, the same prompts,
@@ -36,6 +37,11 @@ work. Beside it, the written floor: that client plus one loopback socket write
 per delta, the least any server in front of it does per token.
 About 32 minutes with the defaults on 2 quiet cores (a server start takes
 20-25 s). Writes results/vs_vllm.{json,md,png}.
+
+`--stream-interval N` asks both servers, and the floor, for N tokens per
+delta (tokenwire's `response.stream_interval`, vLLM's `stream_interval` in the
+chat request: the same vLLM setting, per request). It writes
+results/vs_vllm-interval{N}.*.
 """
 
 from __future__ import annotations
@@ -95,20 +101,27 @@ def prompt(i: int) -> str:
     return f"Write a short story about a lighthouse keeper, version {i}."
 
 
-async def tokenwire_one(url: str, i: int, tokens: int, start: asyncio.Event) -> dict[str, Any]:
+def grouped(interval: int) -> dict[str, int]:
+    """The request field for `interval` tokens per delta; none for vLLM's default."""
+    return {"stream_interval": interval} if interval > 1 else {}
+
+
+async def tokenwire_one(
+    url: str, i: int, tokens: int, start: asyncio.Event, interval: int = 1
+) -> dict[str, Any]:
     async with await connect(url) as tw:
         await tw.add_message(prompt(i))
         await start.wait()
         sent = time.perf_counter()
         response = await tw.create_response(
-            temperature=0, max_output_tokens=tokens, ignore_eos=True
+            temperature=0, max_output_tokens=tokens, ignore_eos=True, **grouped(interval)
         )
         stamps = [time.perf_counter() async for _ in response.text_deltas()]
         done = await response.done()
     return {"sent": sent, "stamps": stamps, "tokens": done["usage"]["output_tokens"]}
 
 
-def chat_body(text: str, tokens: int, model: str = "smollm2") -> dict[str, Any]:
+def chat_body(text: str, tokens: int, model: str = "smollm2", interval: int = 1) -> dict[str, Any]:
     """A streaming /v1/chat/completions request: greedy, `tokens` long (ignore_eos)."""
     return {
         "model": model,
@@ -118,6 +131,7 @@ def chat_body(text: str, tokens: int, model: str = "smollm2") -> dict[str, Any]:
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **grouped(interval),
     }
 
 
@@ -142,6 +156,7 @@ async def vllm_one(
     tokens: int,
     start: asyncio.Event,
     model: str = "smollm2",
+    interval: int = 1,
 ) -> dict[str, Any]:
     # Connect before the clock starts, as the WebSocket clients do: the
     # connection stays in the session's pool (the server keeps it 5 s).
@@ -151,7 +166,7 @@ async def vllm_one(
     sent = time.perf_counter()
     stamps: list[float] = []
     count = 0
-    body = chat_body(prompt(i), tokens, model)
+    body = chat_body(prompt(i), tokens, model, interval)
     async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
         async for chunk in sse_chunks(resp):
             if chunk.get("usage"):
@@ -229,8 +244,12 @@ def run_round(model: str, args: argparse.Namespace, r: int) -> dict[str, Any]:
                 timeout=aiohttp.ClientTimeout(total=600),
             ) as http:
                 ones: dict[str, One] = {
-                    "tokenwire": lambda i, s: tokenwire_one(url, i, args.tokens, s),
-                    "vllm": lambda i, s: vllm_one(base, http, i, args.tokens, s),
+                    "tokenwire": lambda i, s: tokenwire_one(
+                        url, i, args.tokens, s, args.stream_interval
+                    ),
+                    "vllm": lambda i, s: vllm_one(
+                        base, http, i, args.tokens, s, interval=args.stream_interval
+                    ),
                 }
                 pids = {"tokenwire": [tw_proc.pid], "vllm": [vllm_pid]}
                 return await measure_round(ones, pids, args, r, warm=max(args.concurrency))
@@ -259,6 +278,7 @@ def frontend_floor(args: argparse.Namespace, r: int) -> dict[str, dict[str, floa
     command = [sys.executable, "-m", "benchmarks.frontend_floor", "--key", str(r)]
     command += ["--tokens", str(args.tokens), "--batches", str(args.batches)]
     command += ["--concurrency", *map(str, args.concurrency)]
+    command += ["--stream-interval", str(args.stream_interval)]
     done = subprocess.run(
         command,
         capture_output=True,
@@ -312,8 +332,15 @@ def markdown(report: dict[str, Any]) -> str:
     rounds = "1 round" if repeats == 1 else f"{repeats} rounds"
     batches = report.get("batches", 1)
     pooled = f", each pooling {batches} batches" if batches > 1 else ""
+    interval = report.get("stream_interval", 1)
+    grouping = (
+        f", {interval} tokens per delta (`stream_interval`, asked of both servers and the floor)"
+        if interval > 1
+        else ""
+    )
     lines = [
-        f"{report['tokens']} tokens per request, ignore_eos, temperature 0; SmolLM2-135M "
+        f"{report['tokens']} tokens per request, ignore_eos, temperature 0{grouping}; "
+        "SmolLM2-135M "
         f"float32 on {os.cpu_count()} CPU cores. Median of {rounds} per level{pooled}, "
         "tokens/s range over rounds in brackets. Each round starts both servers, then runs "
         "the batches on one server at a time, alternating A B B A, and stops both. Other "
@@ -399,10 +426,17 @@ def paired_text(ratios: list[float], target: float, c: int) -> str:
     return f"c={c}: {each} ({interval_text(ratios, target)})"
 
 
+def stem(interval: int) -> str:
+    """The results' file name: the default run's, or one per tokens-per-delta."""
+    return "vs_vllm" if interval == 1 else f"vs_vllm-interval{interval}"
+
+
 def write_report(report: dict[str, Any]) -> None:
     text = markdown(report)
-    (RESULTS / "vs_vllm.md").write_text(text)
-    plot(report, RESULTS / "vs_vllm.png")
+    name = stem(report.get("stream_interval", 1))
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / f"{name}.md").write_text(text)
+    plot(report, RESULTS / f"{name}.png")
     print(text)
 
 
@@ -428,6 +462,7 @@ def build_report(
         "batches": args.batches,
         "quiet_cores": args.quiet_cores,
         "retries": args.retries,
+        "stream_interval": args.stream_interval,
         **meta,
         "wall_s": wall,
         "startup_s": {side: [rd[side]["startup_s"] for rd in rounds] for side in SIDES},
@@ -490,26 +525,34 @@ def main() -> None:
         help="batches per level and server in each round, pooled",
     )
     parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per delta, asked of both servers and the floor alike",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
-        help="measure nothing: rebuild the report from the rounds in results/vs_vllm.json",
+        help="measure nothing: rebuild the report from the rounds in its results json",
     )
     args = parser.parse_args()
     if args.report_only:
-        stored = json.loads((RESULTS / "vs_vllm.json").read_text())
+        stored = json.loads((RESULTS / f"{stem(args.stream_interval)}.json").read_text())
         # The rounds as measured; the medians and ratios as this code takes them.
         settings = ("tokens", "concurrency", "repeats", "batches", "quiet_cores", "retries")
         report = build_report(
-            argparse.Namespace(**{k: stored[k] for k in settings}),
+            argparse.Namespace(
+                **{k: stored[k] for k in settings},
+                stream_interval=stored.get("stream_interval", 1),
+            ),
             stored["rounds"],
             {"code": stored["code"], "vllm_version": stored["vllm_version"]},
             stored["wall_s"],
         )
-        (RESULTS / "vs_vllm.json").write_text(json.dumps(report, indent=2))
         write_report(report)
         return
-    if args.repeats < 1 or args.batches < 1:
-        parser.error("--repeats and --batches must be at least 1")
+    if args.repeats < 1 or args.batches < 1 or args.stream_interval < 1:
+        parser.error("--repeats, --batches and --stream-interval must be at least 1")
     model = str(resolve_model(None))
     # Before the rounds: nothing that can fail may come after minutes of measuring.
     meta = {"code": code_state(), "vllm_version": vllm_version()}
@@ -522,7 +565,6 @@ def main() -> None:
 
     report = build_report(args, rounds, meta, time.perf_counter() - t_start)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vs_vllm.json").write_text(json.dumps(report, indent=2))
     write_report(report)
     for c in map(str, args.concurrency):
         q = report["ratios"][c]

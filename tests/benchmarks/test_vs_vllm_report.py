@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.vs_vllm import build_report, markdown
+from benchmarks.vs_vllm import build_report, chat_body, markdown, stem
 
 
 def level(cpu_us: float) -> dict[str, Any]:
@@ -36,7 +36,13 @@ def a_round(tw: float, vllm: float, floor: float, written: float) -> dict[str, A
 
 def test_the_floor_comes_off_both_servers_before_their_ratio() -> None:
     args = argparse.Namespace(
-        tokens=64, concurrency=[8], repeats=3, batches=2, quiet_cores=0.15, retries=1
+        tokens=64,
+        concurrency=[8],
+        repeats=3,
+        batches=2,
+        quiet_cores=0.15,
+        retries=1,
+        stream_interval=1,
     )
     # Medians over rounds: tokenwire 180, vLLM 280, floor 100, written floor 140.
     rounds = [
@@ -61,3 +67,21 @@ def test_the_floor_comes_off_both_servers_before_their_ratio() -> None:
     # Paired per round too, against the 0.5x target.
     assert q["frontend_us_per_token_rounds"] == [180 / 280, 170 / 300, 200 / 270]
     assert "against #19's 0.5x target: c=8: 0.64, 0.57, 0.74 (0.646 [" in text
+    assert "tokens per delta" not in text and stem(report["stream_interval"]) == "vs_vllm"
+
+
+def test_a_grouped_run_asks_both_sides_alike_and_says_so() -> None:
+    args = argparse.Namespace(
+        tokens=64,
+        concurrency=[8],
+        repeats=1,
+        batches=2,
+        quiet_cores=0.15,
+        retries=1,
+        stream_interval=4,
+    )
+    report = build_report(args, [a_round(90, 200, 50, 60)], {"code": {}, "vllm_version": "t"}, 1.0)
+    assert "ignore_eos, temperature 0, 4 tokens per delta" in markdown(report)
+    assert stem(report["stream_interval"]) == "vs_vllm-interval4"  # beside, not over, the default
+    assert chat_body("hi", 64, interval=4)["stream_interval"] == 4
+    assert "stream_interval" not in chat_body("hi", 64)
