@@ -64,6 +64,20 @@ def test_each_target_is_judged_in_its_direction() -> None:
     assert "measured at abc1234, Test CPU" in text
 
 
+def test_the_grouped_run_has_rows_of_its_own() -> None:
+    after = results(15.0, 66_000, 0.95, 0.77)
+    after["vs_vllm-interval4"] = {
+        "code": {"commit": "def5678"},
+        "ratios": {"8": {"frontend_us_per_token": 0.48}, "32": {"frontend_us_per_token": 0.55}},
+    }
+    text = table(after, {})
+    grouped = "the same, both servers at 4 tokens per delta (`stream_interval`)"
+    assert row(text, f"{grouped}, c=8")[2:4] == ["0.48 x", "yes"]
+    assert row(text, f"{grouped}, c=32")[2:4] == ["0.55 x", "**no**"]
+    assert row(text, "frontend CPU per output token, tokenwire / vLLM, c=8")[2] == "0.77 x"
+    assert "`benchmarks.vs_vllm --stream-interval 4`: measured at def5678" in text
+
+
 def test_a_benchmark_that_has_not_run_shows_a_dash() -> None:
     after = results(15.0, 66_000, 0.95, 0.4)
     del after["vs_vllm"]
