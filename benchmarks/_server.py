@@ -29,6 +29,15 @@ SCRATCH = Path(__file__).resolve().parent / "scratch"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def save_results(name: str, report: dict[str, Any], text: str, directory: Path = RESULTS) -> None:
+    """A benchmark's results: NAME.json (every sample) and NAME.md (its table,
+    which `benchmarks.readme` copies), and the table on stdout."""
+    directory.mkdir(exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (directory / f"{name}.md").write_text(text)
+    print(text, flush=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import random
 import re
@@ -60,6 +59,7 @@ from ._server import (
     cpu_snapshot,
     http_base,
     other_cpu_cores,
+    save_results,
     tokenwire_server,
 )
 
@@ -460,11 +460,8 @@ def main() -> None:
 
     report["code"] = f"tokenwire from {Path(tokenwire.__file__).resolve().parent}"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cancel_steer_latency.json").write_text(json.dumps(report, indent=2))
     plot(report)
-    text = markdown(report)
-    (RESULTS / "cancel_steer_latency.md").write_text(text)
-    print(text)
+    save_results("cancel_steer_latency", report, markdown(report))
     for line in ratio_lines(report["summary"]):
         print(line)
 

@@ -34,7 +34,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from ._server import RESULTS, threads_cpu_seconds
+from ._server import save_results, threads_cpu_seconds
+from .frontend_floor import engine_args
 from .vs_vllm import prompt
 
 SIDES = ("asyncllm", "lean")
@@ -80,26 +81,13 @@ def lean_process_outputs(processor: Any) -> Callable[..., Any]:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import vllm.v1.engine.async_llm as async_llm_module
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.envs import enable_envs_cache
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     from tokenwire.engines.vllm_stats import async_llm, load_tracker_class
-    from tokenwire.models import resolve_model
 
-    llm = async_llm(
-        AsyncEngineArgs(
-            model=str(resolve_model(None)),
-            dtype="float32",
-            max_model_len=2048,
-            enforce_eager=True,
-            enable_prefix_caching=True,
-        ),
-        load_tracker_class(),
-    )
+    llm = async_llm(engine_args(), load_tracker_class())
     enable_envs_cache()
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(
@@ -195,11 +183,7 @@ def main() -> None:
     import uvloop  # as both servers run
 
     report = uvloop.run(measure(args))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "client_bound.json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    (RESULTS / "client_bound.md").write_text(text)
-    print(text)
+    save_results("client_bound", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from ._server import (
     cpu_seconds,
     results_name,
     rss_kib,
+    save_results,
     tokenwire_process,
 )
 from .gateway_ceiling import (
@@ -371,11 +372,8 @@ def main() -> None:
     report = run(args)
     RESULTS.mkdir(exist_ok=True)
     name = results_name("connections", args.allocator)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
-    text = table(report)
-    (RESULTS / f"{name}.md").write_text(text)
     plot(report, RESULTS / f"{name}_rss.png")
-    print(text)
+    save_results(name, report, table(report))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 from websockets.asyncio.client import connect
 
-from ._server import RESULTS, threads_cpu_seconds, tokenwire_process
+from ._server import save_results, threads_cpu_seconds, tokenwire_process
 
 DIALECTS = {
     "tokenwire.v1.msgpack": ["tokenwire.v1.msgpack"],
@@ -146,11 +146,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     report = asyncio.run(run(args))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "dialects.json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    (RESULTS / "dialects.md").write_text(text)
-    print(text)
+    save_results("dialects", report, markdown(report))
 
 
 if __name__ == "__main__":

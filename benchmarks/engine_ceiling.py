@@ -62,6 +62,7 @@ from ._server import (
     RESULTS,
     SCRATCH,
     VLLM_SETTINGS,
+    save_results,
     tokenwire_server,
     wait_for_descendants,
 )
@@ -300,11 +301,8 @@ def main() -> None:
         tw, ll = report["tokenwire"][c], report["asyncllm"][c]
         report["ratios"][c] = ratios(tw, ll)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engine_ceiling.json").write_text(json.dumps(report, indent=2))
     plot(report, RESULTS / "engine_ceiling.png")
-    text = markdown(report)
-    (RESULTS / "engine_ceiling.md").write_text(text)
-    print(text)
+    save_results("engine_ceiling", report, markdown(report))
     for c in map(str, args.concurrency):
         q = report["ratios"][c]["tokens_per_s"]
         verdict = "ok" if q >= TARGET else f"BELOW the {TARGET} target"

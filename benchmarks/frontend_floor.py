@@ -79,28 +79,32 @@ async def sink(n: int) -> tuple[asyncio.Queue[asyncio.StreamWriter], subprocess.
     return writers, reader
 
 
-async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+def engine_args() -> Any:
+    """`VLLM_SETTINGS`, as vLLM's engine args; sets the environment they need."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from tokenwire.models import resolve_model
+
+    return AsyncEngineArgs(
+        model=str(resolve_model(None)),
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+    )
+
+
+async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from vllm.envs import enable_envs_cache
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from tokenwire.models import resolve_model
-
     from .vs_vllm import prompt
 
-    llm = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(resolve_model(None)),
-            dtype="float32",
-            max_model_len=2048,
-            enforce_eager=True,
-            enable_prefix_caching=True,
-            disable_log_stats=False,
-        )
-    )
+    llm = AsyncLLM.from_engine_args(engine_args())
     enable_envs_cache()  # as both servers do once started
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(

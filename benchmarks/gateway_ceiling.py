@@ -89,6 +89,7 @@ from ._server import (
     free_port,
     results_name,
     rss_kib,
+    save_results,
     server_process,
     tokenwire_process,
 )
@@ -1125,12 +1126,9 @@ def main() -> None:
     report = run(args)
     RESULTS.mkdir(exist_ok=True)
     name = results_name("gateway_ceiling", args.allocator)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
-    text = table(report)
-    (RESULTS / f"{name}.md").write_text(text)
     plot(report, RESULTS / f"{name}.png")
     print()
-    print(text)
+    save_results(name, report, table(report))
 
 
 if __name__ == "__main__":

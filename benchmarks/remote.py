@@ -74,6 +74,7 @@ from ._server import (
     free_port,
     other_cpu_cores,
     redis_process,
+    save_results,
     tokenwire_process,
     wait_for_descendants,
 )
@@ -409,11 +410,7 @@ def main() -> None:
     t0 = time.perf_counter()
     measured = run(model, args)
     report = build_report(args, measured, meta, time.perf_counter() - t0)
-    out.mkdir(exist_ok=True)
-    (out / "remote.json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    (out / "remote.md").write_text(text)
-    print(text)
+    save_results("remote", report, markdown(report), out)
     print(f"total {report['wall_s']:.0f} s; written to {out / 'remote.md'}")
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import subprocess
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ._compare import code_note, code_state, interval_text, measure_round, round_parser
-from ._server import RESULTS, SCRATCH, VLLM_SETTINGS, tokenwire_process
+from ._server import SCRATCH, VLLM_SETTINGS, save_results, tokenwire_process
 from .vs_vllm import tokenwire_one
 
 SIDES = ("this", "base")
@@ -132,11 +131,7 @@ def main() -> None:
             warm = max(args.concurrency) if r == 0 else None
             rounds.append(asyncio.run(measure_round(ones, pids, args, r, warm)))
     report = build_report(args, rounds, meta, time.perf_counter() - t0)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vs_commit.json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    (RESULTS / "vs_commit.md").write_text(text)
-    print(text, flush=True)
+    save_results("vs_commit", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ from ._server import (
     VLLM_SETTINGS,
     free_port,
     http_ok,
+    save_results,
     server_process,
     tokenwire_process,
     wait_for_descendants,
@@ -432,12 +433,10 @@ def stem(interval: int) -> str:
 
 
 def write_report(report: dict[str, Any]) -> None:
-    text = markdown(report)
     name = stem(report.get("stream_interval", 1))
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / f"{name}.md").write_text(text)
+    RESULTS.mkdir(exist_ok=True)
     plot(report, RESULTS / f"{name}.png")
-    print(text)
+    save_results(name, report, markdown(report))
 
 
 def vllm_version() -> str:

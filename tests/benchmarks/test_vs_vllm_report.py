@@ -34,16 +34,14 @@ def a_round(tw: float, vllm: float, floor: float, written: float) -> dict[str, A
     }
 
 
+def settings(**given: Any) -> argparse.Namespace:
+    """vs_vllm's command line, as a run at c=8 gives it."""
+    made = {"tokens": 64, "concurrency": [8], "batches": 2, "quiet_cores": 0.15, "retries": 1}
+    return argparse.Namespace(**{**made, "stream_interval": 1, **given})
+
+
 def test_the_floor_comes_off_both_servers_before_their_ratio() -> None:
-    args = argparse.Namespace(
-        tokens=64,
-        concurrency=[8],
-        repeats=3,
-        batches=2,
-        quiet_cores=0.15,
-        retries=1,
-        stream_interval=1,
-    )
+    args = settings(repeats=3)
     # Medians over rounds: tokenwire 180, vLLM 280, floor 100, written floor 140.
     rounds = [
         a_round(180, 280, 100, 150),
@@ -71,15 +69,7 @@ def test_the_floor_comes_off_both_servers_before_their_ratio() -> None:
 
 
 def test_a_grouped_run_asks_both_sides_alike_and_says_so() -> None:
-    args = argparse.Namespace(
-        tokens=64,
-        concurrency=[8],
-        repeats=1,
-        batches=2,
-        quiet_cores=0.15,
-        retries=1,
-        stream_interval=4,
-    )
+    args = settings(repeats=1, stream_interval=4)
     report = build_report(args, [a_round(90, 200, 50, 60)], {"code": {}, "vllm_version": "t"}, 1.0)
     assert "ignore_eos, temperature 0, 4 tokens per delta" in markdown(report)
     assert stem(report["stream_interval"]) == "vs_vllm-interval4"  # beside, not over, the default
