@@ -200,6 +200,64 @@ async def measure_round(
     return out
 
 
+PAIRED = ("frontend_us_per_token", "tokens_per_s")
+
+
+def paired_levels(
+    rounds: list[dict[str, Any]], concurrency: Sequence[int], sides: tuple[str, str]
+) -> dict[str, Any]:
+    """Per level and PAIRED figure: each side's median over rounds, and the
+    rounds' ratios first side / second (measure_round's rounds)."""
+    num, den = sides
+    levels: dict[str, Any] = {}
+    for c in map(str, concurrency):
+        levels[c] = {}
+        for field in PAIRED:
+            per = {s: [rd[s][c][field] for rd in rounds] for s in sides}
+            levels[c][field] = {
+                **{s: statistics.median(v) for s, v in per.items()},
+                "ratios": [a / b for a, b in zip(per[num], per[den], strict=True)],
+            }
+    return levels
+
+
+def paired_report(
+    args: argparse.Namespace,
+    rounds: list[dict[str, Any]],
+    meta: dict[str, Any],
+    wall: float,
+    sides: tuple[str, str],
+) -> dict[str, Any]:
+    """A two-sided run's report: its settings, paired_levels and every round."""
+    return {
+        **meta,
+        "tokens": args.tokens,
+        "concurrency": args.concurrency,
+        "repeats": args.repeats,
+        "batches": args.batches,
+        "wall_s": wall,
+        "levels": paired_levels(rounds, args.concurrency, sides),
+        "rounds": rounds,
+    }
+
+
+def paired_rows(levels: dict[str, Any], sides: tuple[str, str]) -> list[str]:
+    """paired_levels as a table: per PAIRED figure both sides and the ratio."""
+    num, den = sides
+    rows = [
+        f"| concurrency | frontend CPU {num} (µs/token) | {den} | {num}/{den} "
+        f"| tokens/s {num} | {den} | {num}/{den} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c, level in levels.items():
+        cells = []
+        for field in PAIRED:
+            m = level[field]
+            cells += [f"{m[num]:.1f}", f"{m[den]:.1f}", interval_text(m["ratios"])]
+        rows.append(f"| {c} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def level_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median over rounds of each figure, with the spread of tokens/s."""
     out: dict[str, Any] = {f: statistics.median(r[f] for r in runs) for f in FIELDS}

@@ -23,19 +23,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import statistics
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ._compare import code_note, code_state, interval_text, measure_round, round_parser
+from ._compare import (
+    code_note,
+    code_state,
+    measure_round,
+    paired_report,
+    paired_rows,
+    round_parser,
+)
 from ._server import SCRATCH, VLLM_SETTINGS, save_results, tokenwire_process
 from .vs_vllm import tokenwire_one
 
 SIDES = ("this", "base")
-MEASURES = ("frontend_us_per_token", "tokens_per_s")
 
 
 @contextlib.contextmanager
@@ -60,26 +65,7 @@ def worktree(commit: str) -> Iterator[tuple[Path, str]]:
 def build_report(
     args: argparse.Namespace, rounds: list[dict[str, Any]], meta: dict[str, Any], wall: float
 ) -> dict[str, Any]:
-    levels: dict[str, Any] = {}
-    for c in map(str, args.concurrency):
-        level: dict[str, Any] = {}
-        for field in MEASURES:
-            sides = {s: [rd[s][c][field] for rd in rounds] for s in SIDES}
-            level[field] = {
-                **{s: statistics.median(v) for s, v in sides.items()},
-                "ratios": [a / b for a, b in zip(sides["this"], sides["base"], strict=True)],
-            }
-        levels[c] = level
-    return {
-        **meta,
-        "tokens": args.tokens,
-        "concurrency": args.concurrency,
-        "repeats": args.repeats,
-        "batches": args.batches,
-        "wall_s": wall,
-        "levels": levels,
-        "rounds": rounds,
-    }
+    return paired_report(args, rounds, meta, wall, SIDES)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -91,16 +77,8 @@ def markdown(report: dict[str, Any]) -> str:
         "process's CPU per output token (median of rounds). Ratios this/base: "
         "geometric mean of the rounds' ratios [95% interval].",
         "",
-        "| concurrency | frontend CPU this (µs/token) | base | this/base "
-        "| tokens/s this | base | this/base |",
-        "|---|---|---|---|---|---|---|",
+        *paired_rows(report["levels"], SIDES),
     ]
-    for c, level in report["levels"].items():
-        cells = []
-        for field in MEASURES:
-            m = level[field]
-            cells += [f"{m['this']:.1f}", f"{m['base']:.1f}", interval_text(m["ratios"])]
-        rows.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
 
