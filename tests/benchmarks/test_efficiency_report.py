@@ -64,6 +64,18 @@ def test_each_target_is_judged_in_its_direction() -> None:
     assert "measured at abc1234, Test CPU" in text
 
 
+def test_frontend_cpu_is_paired_per_round_where_the_report_has_rounds() -> None:
+    after = results(15.0, 66_000, 0.95, 0.77)
+    # Medians' ratio 0.77; the rounds' own ratios have geometric mean 0.60.
+    after["vs_vllm"]["ratios"]["8"]["frontend_us_per_token_rounds"] = [0.5, 0.72]
+    text = table(after, results(55.0, 700_000, 0.53, 0.9))
+    assert row(text, "frontend CPU per output token, tokenwire / vLLM, c=8")[2:] == [
+        "0.60 x",
+        "**no**",
+        "0.90 x",  # a report without rounds: the medians' ratio
+    ]
+
+
 def test_the_grouped_run_has_rows_of_its_own() -> None:
     after = results(15.0, 66_000, 0.95, 0.77)
     after["vs_vllm-interval4"] = {
