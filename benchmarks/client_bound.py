@@ -48,11 +48,9 @@ class Direct:
     def __init__(self, done: asyncio.Future[int]) -> None:
         self.done = done
         self.tokens = 0
-        self.chars = 0
 
     def take(self, text: str, tokens: int, finished: bool) -> None:
         self.tokens += tokens
-        self.chars += len(text)
         if finished:
             self.done.set_result(self.tokens)
 

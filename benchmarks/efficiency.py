@@ -5,9 +5,8 @@ value, from the results the benchmarks last wrote; no figure is typed.
 
 Reads `results/{connections,gateway_ceiling,vs_vllm}.json` (and the runs on
 other allocators and at 4 tokens per delta, `SOURCES`), and the same files in
-`--before DIR` (default
-`results/before-19`: the code before the work, measured on the same kind of
-machine) for a column to compare. Writes
+`--before DIR` (default `results/before-19`: the code before the work,
+measured on the same kind of machine) for a column to compare. Writes
 `results/efficiency.md`, which `benchmarks.readme` copies into the README.
 """
 

@@ -563,7 +563,6 @@ def main() -> None:
         rounds.append(run_round(model, args, r))
 
     report = build_report(args, rounds, meta, time.perf_counter() - t_start)
-    RESULTS.mkdir(exist_ok=True)
     write_report(report)
     for c in map(str, args.concurrency):
         q = report["ratios"][c]
