@@ -111,16 +111,20 @@ async def measure_batch(
     counts, all are kept. Every batch, retries too, has prompts of its own (no
     prefix-cache help); the same `key` and `b` give the same prompts, so both
     sides of a round get them. With `frontend_pids`, the CPU those processes
-    (not their children: the engine) took during the batch is recorded."""
+    (not their children: the engine) took during the batch is recorded, in
+    all and per process."""
     attempts: list[dict[str, Any]] = []
     for attempt in range(retries + 1):
         before, t0 = cpu_snapshot(), time.perf_counter()
-        frontend = sum(map(threads_cpu_seconds, frontend_pids))
+        frontend = list(map(threads_cpu_seconds, frontend_pids))
         results, wall = await batch(one, c, first_prompt(key, b, c, attempt))
         other = other_cpu_cores(before, cpu_snapshot(), time.perf_counter() - t0)
         attempts.append({**summarise(results, wall), "other_cores": other})
         if frontend_pids:
-            attempts[-1]["frontend_cpu_s"] = sum(map(threads_cpu_seconds, frontend_pids)) - frontend
+            now = map(threads_cpu_seconds, frontend_pids)
+            each = [after - start for after, start in zip(now, frontend, strict=True)]
+            attempts[-1]["frontend_cpu_s"] = sum(each)
+            attempts[-1]["frontend_cpu_s_each"] = each
         print(
             f"{label}c={c} batch {b + 1}: {attempts[-1]['tokens_per_s']:.1f} tokens/s, "
             f"TTFT p50 {attempts[-1]['ttft_p50_ms']:.0f} ms, other programs {other:.2f} cores",
@@ -141,6 +145,9 @@ def pooled(batches: list[dict[str, Any]]) -> dict[str, Any]:
         # CPU of the frontend process per output token, in microseconds.
         tokens = sum(r["tokens"] for r in results)
         extra["frontend_us_per_token"] = sum(b["frontend_cpu_s"] for b in batches) / tokens * 1e6
+        if all("frontend_cpu_s_each" in b for b in batches):  # per process, in pid order
+            each = zip(*(b["frontend_cpu_s_each"] for b in batches), strict=True)
+            extra["frontend_us_per_token_each"] = [sum(e) / tokens * 1e6 for e in each]
     return {
         **summarise(results, sum(b["wall"] for b in batches)),
         **extra,

@@ -23,7 +23,10 @@ Figures per batch, round and level as in benchmarks.vs_vllm (TTFT: request
 sent -> first non-empty text; a level's figure is the median over rounds).
 Compared with SSE: the tokens/s ratio and the TTFT difference, each also paired
 per round. Frontend CPU per output token: every process between the client and
-vLLM's engine core (vLLM's API server, plus tokenwire and redis-server).
+vLLM's engine core (vLLM's API server, plus tokenwire and redis-server). Split
+out of it, the gateway's own CPU (tokenwire, and redis-server for the pair)
+against vLLM's whole API server answering SSE, paired per round: what putting
+tokenwire in front of a vLLM fleet costs, next to what vLLM's server costs.
 
 Cancel -> slot freed: `--cancel-trials` trials per side, interleaved. A trial
 streams a long answer, and after `--wait-deltas` text chunks cancels it
@@ -241,7 +244,9 @@ def run(model: str, args: argparse.Namespace) -> dict[str, Any]:
         print(
             "  started: " + ", ".join(f"{s} in {v:.0f} s" for s, v in startup.items()), flush=True
         )
-        api = server.proc.pid  # vLLM's API server; its engine core is a child
+        # vLLM's API server, last in every list (the gateway is all before it);
+        # its engine core is a child.
+        api = server.proc.pid
         pids = {
             "tokenwire": [proc.pid, api],
             "vllm": [api],
@@ -305,7 +310,53 @@ def build_report(
                     rd[gw][c]["ttft_p50_ms"] - rd["vllm"][c]["ttft_p50_ms"] for rd in rounds
                 ],
             }
+            if all("frontend_us_per_token_each" in rd[gw][c] for rd in rounds):
+                report["vs_sse"][gw][c].update(
+                    gateway_split([rd[gw][c] for rd in rounds], [rd["vllm"][c] for rd in rounds])
+                )
     return report
+
+
+def gateway_split(runs: list[dict[str, Any]], sse: list[dict[str, Any]]) -> dict[str, Any]:
+    """A gateway's rounds split into its own CPU and vLLM's API server behind
+    it (the last process), and its own against vLLM's whole SSE server."""
+    own = [sum(r["frontend_us_per_token_each"][:-1]) for r in runs]
+    return {
+        "gateway_us_per_token": statistics.median(own),
+        "api_behind_us_per_token": statistics.median(
+            r["frontend_us_per_token_each"][-1] for r in runs
+        ),
+        "gateway_vs_api_rounds": [
+            g / r["frontend_us_per_token"] for g, r in zip(own, sse, strict=True)
+        ],
+    }
+
+
+def split_table(report: dict[str, Any]) -> list[str]:
+    """The gateway's own CPU against vLLM's server, where the run has it."""
+    levels = [str(c) for c in report["concurrency"]]
+    if "gateway_us_per_token" not in report["vs_sse"]["tokenwire"][levels[0]]:
+        return []  # measured before the split
+    lines = [
+        "The gateway's own frontend CPU (tokenwire, and redis-server for the pair), split "
+        "from vLLM's API server behind it, against vLLM's whole API server answering SSE; "
+        "µs per output token, medians over rounds, and the paired ratio per round "
+        "(geometric mean, 95% confidence interval):",
+        "",
+        "| concurrency | path | gateway | vLLM API server behind it | vLLM API server (SSE) "
+        "| gateway / vLLM API server (SSE) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in levels:
+        for gw in GATEWAYS:
+            q = report["vs_sse"][gw][c]
+            lines.append(
+                f"| {c} | {LABELS[gw].removesuffix(' (WS)')} | {q['gateway_us_per_token']:.0f} | "
+                f"{q['api_behind_us_per_token']:.0f} | "
+                f"{report['vllm'][c]['frontend_us_per_token']:.0f} | "
+                f"{interval_text(q['gateway_vs_api_rounds'], 0.5)} |"
+            )
+    return [*lines, ""]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -358,6 +409,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"counted batch. vLLM's prefix cache: {report['prefix_cache']['hits']:.0f} hits in "
         f"{report['prefix_cache']['queries']:.0f} prompt tokens over the throughput rounds.",
         "",
+        *split_table(report),
         f"Cancel -> slot freed, {report['cancel_trials']} trials per path: a streamed answer "
         f"is cancelled after {report['wait_deltas']} text chunks (tokenwire: "
         "`response.cancel`; SSE: the client closes the HTTP stream), timed until vLLM's "

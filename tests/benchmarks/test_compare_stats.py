@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from benchmarks._compare import paired_interval, verdict
+from benchmarks._compare import paired_interval, pooled, verdict
 
 
 def test_the_interval_of_paired_ratios() -> None:
@@ -25,3 +25,21 @@ def test_verdicts() -> None:
     assert verdict(0.99, 1.01, target=0.95) == "at least 0.95x shown"
     mean, low, high = paired_interval([1.1])  # one round: no interval
     assert mean == pytest.approx(1.1) and low == 0.0 and high == math.inf
+
+
+def test_pooled_batches_keep_each_processs_cpu() -> None:
+    def measured(tokens: int, each: list[float]) -> dict:
+        result = {"sent": 0.0, "stamps": [0.1, 0.2], "tokens": tokens}
+        attempt = {"other_cores": 0.0}
+        return {
+            "results": [result],
+            "wall": 1.0,
+            "attempts": [attempt],
+            "other_cores": 0.0,
+            "frontend_cpu_s": sum(each),
+            "frontend_cpu_s_each": each,
+        }
+
+    level = pooled([measured(100, [0.003, 0.001]), measured(300, [0.005, 0.003])])
+    assert level["frontend_us_per_token"] == pytest.approx(30.0)  # 12 ms over 400 tokens
+    assert level["frontend_us_per_token_each"] == pytest.approx([20.0, 10.0])

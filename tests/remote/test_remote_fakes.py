@@ -1,7 +1,8 @@
-"""The remote engine against stand-in servers (httpx.MockTransport): what a
-real vLLM cannot be made to do on demand. Garbage or an error mid-stream,
-5xx answers, the endpoint fallback, what each request carries. The real
-tokenizer (the bundled SmolLM2) renders the prompts; no model runs."""
+"""The remote engine against stand-in servers (small aiohttp servers on
+loopback ports): what a real vLLM cannot be made to do on demand. Garbage or
+an error mid-stream, 5xx answers, the endpoint fallback, what each request
+carries. The real tokenizer (the bundled SmolLM2) renders the prompts; no
+model runs."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import pytest
 import structlog
+from aiohttp import web
 from prometheus_client import REGISTRY
 from transformers import AutoTokenizer
 
@@ -64,54 +65,102 @@ def usage(cached: int | None) -> dict:
 
 
 @dataclass
-class Fake:
-    """One stand-in vLLM server: startup routes answer as vLLM's do; `stream`
-    answers generation requests."""
+class Reply:
+    """A stand-in's answer: a status and a body, whole or streamed."""
 
-    url: str
-    stream: Callable[[dict], httpx.Response]
+    status: int = 200
+    content: bytes | AsyncIterator[bytes] = b""
+    json: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    async def send(self, request: web.Request) -> web.StreamResponse:
+        if isinstance(self.content, bytes):
+            body = self.content if self.json is None else json.dumps(self.json).encode()
+            return web.Response(status=self.status, body=body, headers=self.headers)
+        resp = web.StreamResponse(status=self.status, headers=self.headers)
+        await resp.prepare(request)
+        async for piece in self.content:
+            await resp.write(piece)
+        await resp.write_eof()
+        return resp
+
+
+FAKES: list[Fake] = []
+
+
+@dataclass
+class Fake:
+    """One stand-in vLLM server on a loopback port: startup routes answer as
+    vLLM's do; `stream` answers generation requests."""
+
+    stream: Callable[[dict], Reply]
     generate_endpoint: bool = True
     structured_outputs: bool = True  # honours them, as vLLM 0.32 does
     healthy: bool = True  # what GET /health says
     bodies: list[dict] = field(default_factory=list)
-    headers: list[httpx.Headers] = field(default_factory=list)
+    headers: list[Any] = field(default_factory=list)
     health_checks: int = 0
-    aborts: list[tuple[dict, httpx.Headers]] = field(default_factory=list)
+    aborts: list[tuple[dict, Any]] = field(default_factory=list)
+    url: str = ""  # once started
+    runner: web.AppRunner | None = None
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self.handle)
+        # Stopped at once: some handlers stall on purpose.
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        FAKES.append(self)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        reply = await self.answer(request)
+        return await reply.send(request)
+
+    async def answer(self, request: web.Request) -> Reply:
+        path = request.path
         if path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": MODEL, "max_model_len": 2048}]})
+            return Reply(json={"data": [{"id": MODEL, "max_model_len": 2048}]})
         if path == "/health":
             self.health_checks += 1
-            return httpx.Response(200 if self.healthy else 503)
-        body = json.loads(request.content)
+            return Reply(200 if self.healthy else 503)
+        body = await request.json()
         if path == "/inference/v1/abort_requests":
             self.aborts.append((body, request.headers))
-            return httpx.Response(200, json={})
+            return Reply(json={})
         if path == "/tokenize":
-            return httpx.Response(200, json={"tokens": TEMPLATE.render(body["messages"])})
+            return Reply(json={"tokens": TEMPLATE.render(body["messages"])})
         if path == "/inference/v1/generate" and not self.generate_endpoint:
-            return httpx.Response(403)
+            return Reply(403)
         if not body.get("stream"):  # the startup probe
             params = body.get("sampling_params", body)
             held = params.get("structured_outputs") and self.structured_outputs
             answer = params["structured_outputs"]["choice"][0][0] if held else "Rome"
-            return httpx.Response(
-                200,
-                json={"choices": [{"text": answer}], "usage": {"prompt_tokens_details": {}}},
+            return Reply(
+                json={"choices": [{"text": answer}], "usage": {"prompt_tokens_details": {}}}
             )
         self.bodies.append(body)
         self.headers.append(request.headers)
         return self.stream(body)
 
 
+@pytest.fixture(autouse=True)
+async def _stop_fakes() -> AsyncIterator[None]:
+    yield
+    while FAKES:
+        runner = FAKES.pop().runner
+        assert runner is not None
+        await runner.cleanup()
+
+
 async def started(*fakes: Fake, **config: Any) -> RemoteEngine:
-    by_host = {httpx.URL(f.url).netloc: f for f in fakes}
-    transport = httpx.MockTransport(lambda r: by_host[r.url.netloc].handle(r))
+    for fake in fakes:
+        if not fake.url:
+            await fake.start()
     engine = RemoteEngine(
-        ServerConfig(engine="remote", remote_url=tuple(f.url for f in fakes), **config),
-        transport=transport,
+        ServerConfig(engine="remote", remote_url=tuple(f.url for f in fakes), **config)
     )
     await engine.start()
     return engine
@@ -140,26 +189,20 @@ async def run(engine: RemoteEngine, req: GenerationRequest) -> list[EngineDelta]
 
 async def test_a_replica_sending_garbage_hands_over_with_the_ids_so_far() -> None:
     a = Fake(
-        "http://a:1",
-        lambda b: httpx.Response(
-            200, content=sse(token("Hel", 11), token("lo", 12), "this is not json")
-        ),
+        lambda b: Reply(200, content=sse(token("Hel", 11), token("lo", 12), "this is not json")),
     )
     b = Fake(
-        "http://b:1",
-        lambda b: httpx.Response(
-            200, content=sse(token(" there", 13), token("!", 14, "stop"), usage(128))
-        ),
+        lambda b: Reply(200, content=sse(token(" there", 13), token("!", 14, "stop"), usage(128))),
     )
     engine = await started(a, b)
-    failed_before = failures("http://a:1"), failures("http://b:1")
+    failed_before = failures(a.url), failures(b.url)
     deltas = await run(engine, ask(session_id=None))  # no session: replica order as given
-    assert (failures("http://a:1"), failures("http://b:1")) == (
+    assert (failures(a.url), failures(b.url)) == (
         failed_before[0] + 1,
         failed_before[1],
     )
-    assert REGISTRY.get_sample_value("tokenwire_remote_up", {"replica": "http://a:1"}) == 0.0
-    assert REGISTRY.get_sample_value("tokenwire_remote_up", {"replica": "http://b:1"}) == 1.0
+    assert REGISTRY.get_sample_value("tokenwire_remote_up", {"replica": a.url}) == 0.0
+    assert REGISTRY.get_sample_value("tokenwire_remote_up", {"replica": b.url}) == 1.0
     assert "".join(d.text for d in deltas) == "Hello there!"
     assert [t for d in deltas for t in d.token_ids or ()] == [11, 12, 13, 14]
     prompt = TEMPLATE.render([{"role": "user", "content": "Hi"}])
@@ -177,8 +220,8 @@ async def test_a_replica_sending_garbage_hands_over_with_the_ids_so_far() -> Non
 
 async def test_an_error_about_the_request_does_not_fail_over() -> None:
     error = {"error": {"message": "bad logits", "type": "BadRequestError", "code": 400}}
-    a = Fake("http://a:1", lambda b: httpx.Response(200, content=sse(token("x", 1), error)))
-    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("y", 2, "stop"))))
+    a = Fake(lambda b: Reply(200, content=sse(token("x", 1), error)))
+    b = Fake(lambda b: Reply(200, content=sse(token("y", 2, "stop"))))
     engine = await started(a, b)
     with pytest.raises(RequestError, match="bad logits"):
         await run(engine, ask())
@@ -186,17 +229,18 @@ async def test_an_error_about_the_request_does_not_fail_over() -> None:
 
 
 async def test_every_replica_failing_is_engine_unavailable() -> None:
-    down = lambda b: httpx.Response(503, json={"error": {"message": "overloaded"}})  # noqa: E731
-    engine = await started(Fake("http://a:1", down), Fake("http://b:1", down))
+    down = lambda b: Reply(503, json={"error": {"message": "overloaded"}})  # noqa: E731
+    a, b = Fake(down), Fake(down)
+    engine = await started(a, b)
     with pytest.raises(EngineUnavailable) as caught:
         await run(engine, ask())
-    assert "http://a:1 answered 503: overloaded" in caught.value.message
-    assert "http://b:1 answered 503: overloaded" in caught.value.message
+    assert f"{a.url} answered 503: overloaded" in caught.value.message
+    assert f"{b.url} answered 503: overloaded" in caught.value.message
 
 
 async def test_a_context_error_is_the_requests_fault() -> None:
     too_long = {"error": {"message": "This model's maximum context length is 2048 tokens"}}
-    a = Fake("http://a:1", lambda b: httpx.Response(400, json=too_long))
+    a = Fake(lambda b: Reply(400, json=too_long))
     engine = await started(a)
     with pytest.raises(ContextLengthExceeded):
         await run(engine, ask())
@@ -205,12 +249,9 @@ async def test_a_context_error_is_the_requests_fault() -> None:
 
 async def test_a_stream_that_ends_unfinished_fails_over() -> None:
     a = Fake(
-        "http://a:1",
-        lambda b: httpx.Response(
-            200, content=b"data: " + json.dumps(token("A", 1)).encode() + b"\n\n"
-        ),
+        lambda b: Reply(200, content=b"data: " + json.dumps(token("A", 1)).encode() + b"\n\n"),
     )  # no finish, no [DONE]: the server died
-    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("B", 2, "length"))))
+    b = Fake(lambda b: Reply(200, content=sse(token("B", 2, "length"))))
     engine = await started(a, b)
     deltas = await run(engine, ask())
     assert "".join(d.text for d in deltas) == "AB"
@@ -219,8 +260,7 @@ async def test_a_stream_that_ends_unfinished_fails_over() -> None:
 
 async def test_requests_carry_session_priority_and_a_forced_tool_schema() -> None:
     a = Fake(
-        "http://a:1",
-        lambda b: httpx.Response(
+        lambda b: Reply(
             200, content=sse(token('{"city": ', 1), token('"Paris"}', 2, "stop"), usage(0))
         ),
     )
@@ -248,8 +288,7 @@ async def test_requests_carry_session_priority_and_a_forced_tool_schema() -> Non
 
 async def test_without_the_generate_endpoint_it_uses_completions() -> None:
     a = Fake(
-        "http://a:1",
-        lambda b: httpx.Response(200, content=sse(token("ok", 7, "stop"), usage(None))),
+        lambda b: Reply(200, content=sse(token("ok", 7, "stop"), usage(None))),
         generate_endpoint=False,
     )
     engine = await started(a)
@@ -319,8 +358,8 @@ async def test_no_first_token_in_time_goes_to_the_next_replica() -> None:
         await asyncio.sleep(30)  # queued forever, as an overloaded server would
         yield b""
 
-    a = Fake("http://a:1", lambda b: httpx.Response(200, content=silent()))
-    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("hi", 5, "stop"))))
+    a = Fake(lambda b: Reply(200, content=silent()))
+    b = Fake(lambda b: Reply(200, content=sse(token("hi", 5, "stop"))))
     engine = await started(a, b, remote_ttft_timeout_s=0.3)
     t0 = time.monotonic()
     deltas = await run(engine, ask())
@@ -335,7 +374,7 @@ async def test_one_replica_waits_for_its_first_token() -> None:
         await asyncio.sleep(0.5)
         yield sse(token("late", 5, "stop"))
 
-    a = Fake("http://a:1", lambda b: httpx.Response(200, content=slow()))
+    a = Fake(lambda b: Reply(200, content=slow()))
     engine = await started(a, remote_ttft_timeout_s=0.1)  # nowhere else to go: no limit
     deltas = await run(engine, ask())
     assert "".join(d.text for d in deltas) == "late"
@@ -366,8 +405,8 @@ def test_several_urls_from_flags_or_the_environment() -> None:
 
 async def test_a_stream_broken_after_its_last_token_is_not_resubmitted() -> None:
     broken = sse(token("done", 3, "stop"), "garbage where the usage should be")
-    a = Fake("http://a:1", lambda b: httpx.Response(200, content=broken))
-    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("more", 4, "stop"))))
+    a = Fake(lambda b: Reply(200, content=broken))
+    b = Fake(lambda b: Reply(200, content=sse(token("more", 4, "stop"))))
     engine = await started(a, b)
     deltas = await run(engine, ask())
     assert "".join(d.text for d in deltas) == "done"
@@ -380,8 +419,8 @@ async def test_a_down_replica_comes_back_through_a_health_probe(
 ) -> None:
     monkeypatch.setattr("tokenwire.engines.replicas.DOWN_FOR_S", 0.05)
     monkeypatch.setattr("tokenwire.engines.replicas.PROBE_MAX_S", 0.1)
-    a = Fake("http://a:1", lambda b: httpx.Response(500, json={"error": {"message": "oom"}}))
-    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("ok", 3, "stop"))))
+    a = Fake(lambda b: Reply(500, json={"error": {"message": "oom"}}))
+    b = Fake(lambda b: Reply(200, content=sse(token("ok", 3, "stop"))))
     a.healthy = False
     engine = await started(a, b)
     try:
@@ -395,7 +434,7 @@ async def test_a_down_replica_comes_back_through_a_health_probe(
         a.healthy = True
         a.stream = b.stream
         await until(lambda: engine.replicas[0].up, "a back up")
-        assert engine.load().extra["replicas"]["http://a:1"]["state"] == "up"
+        assert engine.load().extra["replicas"][a.url]["state"] == "up"
         assert "".join([d.text async for d in engine.generate(ask())]) == "ok"
         assert len(a.bodies) == 2  # back in service, first in line again
     finally:
@@ -404,18 +443,18 @@ async def test_a_down_replica_comes_back_through_a_health_probe(
 
 async def test_a_chunk_from_another_model_fails_the_attempt() -> None:
     wrong = {**token("Bonjour", 7), "model": "some-other-model"}
-    a = Fake("http://a:1", lambda b: httpx.Response(200, content=sse(wrong)))
-    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("Hi", 8, "stop"))))
+    a = Fake(lambda b: Reply(200, content=sse(wrong)))
+    b = Fake(lambda b: Reply(200, content=sse(token("Hi", 8, "stop"))))
     engine = await started(a, b)
     deltas = await run(engine, ask())
     assert "".join(d.text for d in deltas) == "Hi"  # nothing of the misrouted answer
     assert engine.replicas[0].failures == 1
     with pytest.raises(ReplicaFailed, match="for model 'some-other-model'"):
-        parse_chunk(json.dumps(wrong), "http://a:1", MODEL)
+        parse_chunk(json.dumps(wrong), a.url, MODEL)
 
 
 async def test_startup_warns_of_each_silent_no_op() -> None:
-    quiet = Fake("http://a:1", lambda b: httpx.Response(500))
+    quiet = Fake(lambda b: Reply(500))
     quiet.structured_outputs = False
     with structlog.testing.capture_logs() as logs:
         engine = await started(quiet)
@@ -423,7 +462,7 @@ async def test_startup_warns_of_each_silent_no_op() -> None:
     warned = {e["event"] for e in logs if e["log_level"] == "warning"}
     assert {"remote_structured_outputs_ignored", "remote_priority_off"} <= warned
     with structlog.testing.capture_logs() as logs:
-        engine = await started(Fake("http://a:1", lambda b: httpx.Response(500)))
+        engine = await started(Fake(lambda b: Reply(500)))
         await engine.close()
     assert "remote_structured_outputs_ignored" not in {e["event"] for e in logs}
 
@@ -435,10 +474,7 @@ async def test_an_abort_goes_where_the_session_went_and_no_cookie_is_kept() -> N
             await asyncio.sleep(0.01)
 
     a = Fake(
-        "http://a:1",
-        lambda b: httpx.Response(
-            200, headers={"set-cookie": "route=pod-a; Path=/"}, content=endless()
-        ),
+        lambda b: Reply(200, headers={"set-cookie": "route=pod-a; Path=/"}, content=endless()),
     )
     engine = await started(a)
     try:
@@ -467,7 +503,7 @@ async def test_auto_tool_calls_go_through_the_configured_vllm_parser() -> None:
     pieces = [said[i : i + 4] for i in range(0, len(said), 4)] + ["</tool_call>"]
     chunks = [token(p, TEMPLATE.tokenizer.encode(p, add_special_tokens=False)[0]) for p in pieces]
     chunks[-1]["choices"][0]["finish_reason"] = "stop"
-    a = Fake("http://a:1", lambda b: httpx.Response(200, content=sse(*chunks, usage(0))))
+    a = Fake(lambda b: Reply(200, content=sse(*chunks, usage(0))))
     engine = await started(a, tool_parser="hermes")
     deltas = await run(engine, ask(tools=[WEATHER], tool_choice="auto"))
     assert a.bodies[0]["sampling_params"]["skip_special_tokens"] is False
@@ -481,9 +517,41 @@ async def test_a_server_error_mid_stream_hands_over() -> None:
     """vLLM reports an engine failure mid-stream as an error chunk (code 500):
     the replica's fault, so the next one continues after the ids so far."""
     crash = {"error": {"message": "EngineCore died", "type": "InternalServerError", "code": 500}}
-    a = Fake("http://a:1", lambda b: httpx.Response(200, content=sse(token("Hel", 11), crash)))
-    b = Fake("http://b:1", lambda b: httpx.Response(200, content=sse(token("lo", 12, "stop"))))
+    a = Fake(lambda b: Reply(200, content=sse(token("Hel", 11), crash)))
+    b = Fake(lambda b: Reply(200, content=sse(token("lo", 12, "stop"))))
     engine = await started(a, b)
     deltas = await run(engine, ask())
     assert "".join(d.text for d in deltas) == "Hello"
     assert b.bodies[0]["token_ids"][-1] == 11 and engine.replicas[0].failures == 1
+
+
+async def test_a_stream_stalled_mid_answer_hands_over_after_the_read_timeout() -> None:
+    """aiohttp's read timeout is a TimeoutError too: it must count as the
+    replica failing mid-stream (ids so far go on elsewhere), not as a missing
+    first token."""
+
+    async def stalls() -> AsyncIterator[bytes]:
+        yield sse(token("Hel", 11))[: -len(b"data: [DONE]\n\n")]
+        await asyncio.sleep(30)
+        yield b""
+
+    a = Fake(lambda b: Reply(200, content=stalls()))
+    b = Fake(lambda b: Reply(200, content=sse(token("lo", 12, "stop"), usage(0))))
+    engine = await started(a, b, remote_timeout_s=0.5)
+    with structlog.testing.capture_logs() as logs:
+        deltas = await run(engine, ask(session_id=None))
+    assert "".join(d.text for d in deltas) == "Hello"
+    assert b.bodies[0]["token_ids"][-1] == 11
+    failed = [e for e in logs if e["event"] == "remote_replica_failed"]
+    assert len(failed) == 1 and failed[0]["produced"] == 1
+    assert "first token" not in failed[0]["error"]
+
+
+async def test_a_chunk_larger_than_the_read_buffer_arrives_whole() -> None:
+    """At a high stream_interval one chunk holds much text: above aiohttp's
+    default line limit (twice its read buffer: 512 KiB in aiohttp 3.14)."""
+    text = "word " * 200_000  # 1 MB in one SSE line
+    a = Fake(lambda b: Reply(200, content=sse(token(text, 7, "stop"), usage(0))))
+    engine = await started(a)
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == text

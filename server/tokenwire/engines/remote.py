@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import TYPE_CHECKING, Any
 
 from ..logs import get_logger
@@ -41,6 +40,7 @@ from .remote_http import (
     GENERATE_PATH,
     Chunk,
     ReplicaFailed,
+    client_session,
     completions_body,
     error_for,
     generate_body,
@@ -53,13 +53,11 @@ from .startup import Startup
 from .toolcalls import ParserStream, forced_scanner, structured_schema
 
 if TYPE_CHECKING:
-    import httpx
+    import aiohttp
 
     from ..config import ServerConfig
 
 log = get_logger("tokenwire.engines.remote")
-
-CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -76,17 +74,14 @@ class _Plan:
 class RemoteEngine:
     name = "remote"
 
-    def __init__(
-        self, config: ServerConfig, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self._transport = transport  # tests put a stand-in server here
         self.replicas = [Replica(url.rstrip("/")) for url in config.remote_url]
         self.capabilities = EngineCapabilities(
             resume_from_token_ids=True, preflight=True, priority=config.remote_priority
         )
         self.model = ""
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._template: ChatTemplate | None = None
         self._max_len = 0
         self._startup = Startup(
@@ -111,23 +106,9 @@ class RemoteEngine:
         await self._startup.run(self._start)
 
     async def _start(self) -> None:
-        import httpx
-
         if not self.replicas:
             raise EngineUnavailable("--engine remote needs at least one --remote-url")
-        # One connection per stream in flight: no cap (a capped pool would
-        # queue generations behind each other); retries off, as a retried
-        # POST could run a generation twice.
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self.config.remote_timeout_s, connect=CONNECT_TIMEOUT_S),
-            # No cookie jar: one shared by every session would pin all of this
-            # instance's sessions to one pod behind a cookie-affinity router.
-            cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),
-            transport=self._transport
-            or httpx.AsyncHTTPTransport(
-                retries=0, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            ),
-        )
+        self._client = client_session(self.config.remote_timeout_s)
         for replica in self.replicas:
             await read_model(self._client, replica)
         models = {r.model for r in self.replicas}
@@ -171,7 +152,7 @@ class RemoteEngine:
         for replica in self.replicas:
             replica.stop()
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
 
     # -- the engine interface -----------------------------------------------
@@ -276,7 +257,8 @@ class RemoteEngine:
     async def _attempt(
         self, replica: Replica, request: GenerationRequest, plan: _Plan, attempt: int
     ) -> AsyncIterator[Chunk]:
-        import httpx
+        import aiohttp
+        from aiohttp.http_exceptions import LineTooLong
 
         assert self._client is not None
         remaining = plan.budget - len(plan.produced)
@@ -314,14 +296,14 @@ class RemoteEngine:
         ttft = self.config.remote_ttft_timeout_s if len(self.replicas) > 1 else 0.0
         try:
             async with asyncio.timeout(ttft or None) as clock:
-                async with self._client.stream(
-                    "POST", replica.url + path, json=body, headers=headers
+                async with self._client.post(
+                    replica.url + path, json=body, headers=headers
                 ) as resp:
-                    if resp.status_code != 200:
-                        text = (await resp.aread()).decode(errors="replace")
-                        raise error_for(resp.status_code, text, replica.url)
+                    if resp.status != 200:
+                        text = (await resp.read()).decode(errors="replace")
+                        raise error_for(resp.status, text, replica.url)
                     streaming = True
-                    async for data in sse_data(resp.aiter_lines()):
+                    async for data in sse_data(resp.content):
                         chunk = parse_chunk(data, replica.url, replica.model)
                         if chunk.usage:
                             if final is not None:
@@ -336,15 +318,16 @@ class RemoteEngine:
                             final = chunk  # held until the usage chunk that follows it
                         elif chunk.text or chunk.token_ids:
                             yield chunk
-        except TimeoutError:
-            raise ReplicaFailed(f"{replica.url} gave no first token within {ttft:g} s") from None
-        except (httpx.HTTPError, ReplicaFailed) as exc:
+        # Before TimeoutError: aiohttp's read timeout (a stalled stream) is one too.
+        except (aiohttp.ClientError, LineTooLong, ReplicaFailed) as exc:
             if final is None:
                 if isinstance(exc, ReplicaFailed):
                     raise
                 raise ReplicaFailed(f"{replica.url}: {type(exc).__name__}: {exc}") from None
             # Broken after the finishing token: only the usage is lost. Never
             # resubmit a finished generation (it would go on past its end).
+        except TimeoutError:
+            raise ReplicaFailed(f"{replica.url} gave no first token within {ttft:g} s") from None
         finally:
             replica.in_flight -= 1
             if streaming and final is None and replica.generate_endpoint:
@@ -359,16 +342,19 @@ class RemoteEngine:
     def _abort_soon(
         self, replica: Replica, engine_request_id: str, headers: dict[str, str]
     ) -> None:
+        import aiohttp
+
         async def abort() -> None:
             assert self._client is not None
+            # The session header too: a router sends it where the request went.
             try:
-                # The session header too: a router sends it where the request went.
-                await self._client.post(
+                async with self._client.post(
                     replica.url + ABORT_PATH,
                     json={"request_ids": [engine_request_id]},
                     headers=headers,
-                    timeout=2,
-                )
+                    timeout=aiohttp.ClientTimeout(total=2),
+                ):
+                    pass
             except Exception as exc:  # best effort: the closed stream aborts it anyway
                 log.debug("remote_abort_failed", url=replica.url, error=repr(exc))
 

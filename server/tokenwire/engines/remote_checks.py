@@ -7,6 +7,8 @@ and which settings it would silently ignore (each one logged as a warning).
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..logs import get_logger
@@ -16,7 +18,7 @@ from .remote_http import COMPLETIONS_PATH, GENERATE_PATH
 from .replicas import Replica
 
 if TYPE_CHECKING:
-    import httpx
+    import aiohttp
 
 log = get_logger("tokenwire.engines.remote")
 
@@ -32,20 +34,36 @@ PROBE_CHAT = [
 PROBE_CHOICE = "!!!"
 
 
+@dataclass(slots=True)
+class Answer:
+    """A whole (not streamed) HTTP answer."""
+
+    status_code: int
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode(errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
 async def call(
-    client: httpx.AsyncClient, replica: Replica, method: str, path: str, **kw: Any
-) -> httpx.Response:
-    import httpx
+    client: aiohttp.ClientSession, replica: Replica, method: str, path: str, **kw: Any
+) -> Answer:
+    import aiohttp
 
     try:
-        return await client.request(method, replica.url + path, **kw)
-    except httpx.HTTPError as exc:
+        async with client.request(method, replica.url + path, **kw) as resp:
+            return Answer(resp.status, await resp.read())
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise EngineUnavailable(
             f"cannot reach {replica.url} ({type(exc).__name__}: {exc})"
         ) from None
 
 
-async def read_model(client: httpx.AsyncClient, replica: Replica) -> None:
+async def read_model(client: aiohttp.ClientSession, replica: Replica) -> None:
     resp = await call(client, replica, "GET", "/v1/models")
     if resp.status_code != 200:
         raise EngineUnavailable(f"{replica.url}/v1/models answered {resp.status_code}")
@@ -60,7 +78,7 @@ async def read_model(client: httpx.AsyncClient, replica: Replica) -> None:
 
 
 async def check_rendering(
-    client: httpx.AsyncClient, template: ChatTemplate, replica: Replica
+    client: aiohttp.ClientSession, template: ChatTemplate, replica: Replica
 ) -> None:
     ours = template.render(PROBE_CHAT)
     resp = await call(
@@ -83,7 +101,7 @@ async def check_rendering(
 
 
 async def probe_endpoint(
-    client: httpx.AsyncClient, template: ChatTemplate, replica: Replica
+    client: aiohttp.ClientSession, template: ChatTemplate, replica: Replica
 ) -> None:
     """One 1-token request: which endpoint, are cached tokens reported, and
     are structured outputs honoured (a server that ignores them, as vLLM

@@ -18,15 +18,45 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from .base import ContextLengthExceeded, EngineError, EngineUnavailable, RequestError
+
+if TYPE_CHECKING:
+    import aiohttp
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
 COMPLETIONS_PATH = "/v1/completions"
 # vLLM prefixes the id it is given on /inference/v1/generate with this.
 GENERATE_ID_PREFIX = "generate-tokens-"
+CONNECT_TIMEOUT_S = 5.0
+# A longer SSE line is garbage. Below it, a whole answer in one chunk (a high
+# stream_interval) passes aiohttp's default line limit of 512 KiB.
+MAX_LINE = 64 * 2**20
+_decode = msgspec.json.Decoder().decode
+
+
+def client_session(read_timeout_s: float) -> aiohttp.ClientSession:
+    """The gateway's HTTP client: aiohttp, whose C parser reads a token's
+    chunk for about half the CPU of httpx's pure-Python stack (measured:
+    gateway CPU per token 104 -> 61 µs at c=8)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(
+        # One connection per stream in flight: no cap (a capped pool would
+        # queue generations behind each other). aiohttp never retries a POST,
+        # which could run a generation twice.
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s
+        ),
+        # No cookie jar: one shared by every session would pin all of this
+        # instance's sessions to one pod behind a cookie-affinity router.
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
 
 
 class ReplicaFailed(EngineUnavailable):
@@ -117,12 +147,12 @@ def _scheduling(body: dict[str, Any], priority: int, cache_salt: str | None) -> 
     return body
 
 
-def parse_chunk(data: str, url: str, model: str = "") -> Chunk:
+def parse_chunk(data: bytes | str, url: str, model: str = "") -> Chunk:
     """One SSE `data:` payload. Garbage, an error chunk or another model's
     output (a misrouted request) fails the attempt."""
     try:
-        payload = json.loads(data)
-    except ValueError:
+        payload = _decode(data)
+    except msgspec.DecodeError:
         raise ReplicaFailed(f"{url} sent a chunk that is not JSON: {data[:200]!r}") from None
     if not isinstance(payload, dict):
         raise ReplicaFailed(f"{url} sent an unexpected chunk: {data[:200]!r}")
@@ -148,13 +178,13 @@ def parse_chunk(data: str, url: str, model: str = "") -> Chunk:
     return chunk
 
 
-async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
     """The `data:` payloads of an SSE stream, up to `[DONE]`."""
-    async for line in lines:
-        if not line.startswith("data:"):
+    while line := await content.readline(max_line_length=MAX_LINE):
+        if not line.startswith(b"data:"):
             continue  # blank separators, comments, keep-alives
         data = line[5:].strip()
-        if data == "[DONE]":
+        if data == b"[DONE]":
             return
         yield data
 

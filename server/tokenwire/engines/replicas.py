@@ -21,7 +21,7 @@ from ..logs import get_logger
 from .remote_http import COMPLETIONS_PATH, GENERATE_PATH
 
 if TYPE_CHECKING:
-    import httpx
+    import aiohttp
 
 log = get_logger("tokenwire.engines.remote")
 
@@ -77,7 +77,7 @@ class Replica:
     def watch(self) -> None:
         UP.labels(self.url).set_function(lambda: float(self.up))
 
-    def failed(self, client: httpx.AsyncClient) -> None:
+    def failed(self, client: aiohttp.ClientSession) -> None:
         """An attempt failed: down, with a probe to bring it back."""
         self.failures += 1
         FAILURES.labels(self.url).inc()
@@ -100,14 +100,17 @@ class Replica:
         if self.probe is not None:
             self.probe.cancel()
 
-    async def _probe(self, client: httpx.AsyncClient) -> None:
+    async def _probe(self, client: aiohttp.ClientSession) -> None:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
         wait = DOWN_FOR_S
         while not self.up:
             await asyncio.sleep(wait)
             self.state = "probing"
             try:
-                resp = await client.get(self.url + "/health", timeout=PROBE_TIMEOUT_S)
-                healthy = resp.status_code == 200
+                async with client.get(self.url + "/health", timeout=timeout) as resp:
+                    healthy = resp.status == 200
             except Exception:  # any failure to answer is a failed probe
                 healthy = False
             if healthy:
