@@ -124,3 +124,37 @@ async def test_memory_log_is_not_durable_and_bounded() -> None:
     assert sum(len(f) for _, f in await log.read(0)) <= 100
     log.clear()
     assert await log.bounds() is None
+
+
+async def test_a_delta_is_one_command_and_the_ttls_are_kept(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per delta a lone XADD; the keys' TTLs are set by the first flush, by
+    every snapshot, and refreshed at most once a second."""
+    sid = f"sess_conf_{next(_ids)}"
+    await store.register(sid, None)
+    clock = [1000.0]
+    monkeypatch.setattr("tokenwire.storage.redis_log.time.monotonic", lambda: clock[0])
+
+    async def calls() -> dict[str, int]:
+        stats = await store.redis.info("commandstats")
+        return {
+            c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("xadd", "pexpire", "exec")
+        }
+
+    log = RedisLog(store, sid)
+    await write(log, range(1, 2), snapshot={"at": 1})  # the first: TTLs set
+    for key in ("log", "state", "meta"):
+        assert 0 < await store.redis.pttl(f"tw:{sid}:{key}") <= 60_000
+    before = await calls()
+    for seq in range(2, 12):  # ten deltas within the second
+        clock[0] += 0.05
+        await write(log, range(seq, seq + 1))
+    after = await calls()
+    assert after["xadd"] - before["xadd"] == 10
+    assert after["pexpire"] == before["pexpire"] and after["exec"] == before["exec"]
+    clock[0] += 1.0
+    await write(log, range(12, 13))  # a second on: refreshed, in one transaction
+    final = await calls()
+    assert final["pexpire"] - after["pexpire"] == 3 and final["exec"] - after["exec"] == 1
+    assert [s for s, _ in await log.read(0)] == list(range(1, 13))

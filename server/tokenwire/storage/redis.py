@@ -5,7 +5,9 @@
 Per session:
 - `tw:{sid}:log`, a stream of its events with entry id `0-<seq>`, written
   before the events reach the socket (so a client never holds an event the
-  log lacks). XADD with approximate MAXLEN; a TTL refreshed on every write.
+  log lacks). XADD with approximate MAXLEN; a TTL refreshed with the writes,
+  at most once a second (storage.redis_log), so it runs from the last write
+  to within a second.
   An entry's `e` is the event (msgpack); the last entry of a batch may carry
   `p`, the generations' progress (output tokens, token ids) the events omit,
   and carries `c`, the client frames the session had taken (for a resume's
@@ -199,23 +201,37 @@ class RedisStore:
         progress: dict[str, list[Any]] | None,
         snapshot: tuple[int, dict[str, Any]] | None,
         client_events: int | None = None,
+        refresh_ttl: bool = True,
     ) -> None:
-        """Log a batch (atomically, with the snapshot it goes with)."""
+        """Log a batch (atomically, with the snapshot it goes with). A lone
+        entry, the usual batch (one delta), is a lone XADD: no MULTI/EXEC
+        around it (measured: the transaction was most of a logged token's CPU)."""
         key = _key(sid, "log")
-        pipe = self.redis.pipeline(transaction=True)
         last = len(entries) - 1
+        xadds = []
         for i, (seq, event) in enumerate(entries):
             fields: dict[str, bytes] = {"e": event}
             if i == last and progress:
                 fields["p"] = pack(progress)
             if i == last and client_events is not None:
                 fields["c"] = str(client_events).encode()
-            pipe.xadd(key, fields, id=f"0-{seq}", maxlen=self.maxlen, approximate=True)
-        if snapshot is not None:
-            pipe.set(_key(sid, "state"), pack({"seq": snapshot[0], "session": snapshot[1]}))
-        for k in (key, _key(sid, "state"), _key(sid, "meta")):
-            pipe.pexpire(k, self.ttl_ms)
+            xadds.append((f"0-{seq}", fields))
         try:
+            if len(xadds) == 1 and snapshot is None and not refresh_ttl:
+                entry_id, fields = xadds[0]
+                await self.redis.xadd(
+                    key, fields, id=entry_id, maxlen=self.maxlen, approximate=True
+                )
+                return
+            pipe = self.redis.pipeline(transaction=True)
+            for entry_id, fields in xadds:
+                pipe.xadd(key, fields, id=entry_id, maxlen=self.maxlen, approximate=True)
+            if snapshot is not None:
+                state = pack({"seq": snapshot[0], "session": snapshot[1]})
+                pipe.set(_key(sid, "state"), state, px=self.ttl_ms)
+            if refresh_ttl:
+                for k in (key, _key(sid, "state"), _key(sid, "meta")):
+                    pipe.pexpire(k, self.ttl_ms)
             await pipe.execute()
         except ResponseError as exc:
             if "equal or smaller" in str(exc):

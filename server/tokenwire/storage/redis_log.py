@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -13,6 +14,10 @@ from .redis import RedisStore, pack
 
 log = get_logger("tokenwire.redis")
 
+# A session's keys get their TTL back at most this often: their expiry runs
+# from the last write to within this, for a third of the commands per delta.
+TTL_REFRESH_S = 1.0
+
 
 class RedisLog:
     durable = True
@@ -22,6 +27,7 @@ class RedisLog:
         self.session_id = session_id
         self._pending: list[tuple[int, bytes]] = []
         self._last_seq = last_seq
+        self._refreshed = -TTL_REFRESH_S  # the first flush sets the TTLs
 
     def append(self, seq: int, event: dict[str, Any], frame: Frame) -> None:
         # Packed now: the event may change once handed on (its items move on).
@@ -36,10 +42,14 @@ class RedisLog:
         snapshot = None if state.snapshot is None else (self._last_seq, state.snapshot)
         progress = state.progress if entries else None
         client_events = state.client_events if entries else None
+        now = time.monotonic()
+        refresh = now - self._refreshed >= TTL_REFRESH_S
         delay = 0.1
         while True:
             try:
-                await self.store.append(self.session_id, entries, progress, snapshot, client_events)
+                await self.store.append(
+                    self.session_id, entries, progress, snapshot, client_events, refresh
+                )
                 break
             except RedisError as exc:
                 # Nothing goes out unlogged; generation pauses at the hard cap meanwhile.
@@ -47,6 +57,8 @@ class RedisLog:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         self._pending = []
+        if refresh:
+            self._refreshed = now
 
     async def read(self, after: int) -> list[tuple[int, Frame]]:
         return [(e.seq, e.event) for e in await self.store.read(self.session_id, after)]
