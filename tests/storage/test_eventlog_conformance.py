@@ -4,6 +4,7 @@ a durable log promises."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -158,3 +159,23 @@ async def test_a_delta_is_one_command_and_the_ttls_are_kept(
     final = await calls()
     assert final["pexpire"] - after["pexpire"] == 3 and final["exec"] - after["exec"] == 1
     assert [s for s, _ in await log.read(0)] == list(range(1, 13))
+
+
+async def test_sessions_deltas_are_committed_together_and_fail_alone(store: RedisStore) -> None:
+    """Lone deltas of many sessions in one loop turn share one pipeline; a
+    fenced owner among them fails alone."""
+    sids = [f"sess_conf_{next(_ids)}" for _ in range(20)]
+    logs = [RedisLog(store, sid) for sid in sids]
+    await asyncio.gather(*(write(log, range(1, 2)) for log in logs))  # TTLs set
+    await write(RedisLog(store, sids[0], last_seq=1), range(2, 4))  # another owner took sids[0]
+    trips: list[str] = []  # round trips: a command alone, or a pipeline
+    pipeline, command = store.redis.pipeline, store.redis.execute_command
+    store.redis.pipeline = lambda **kw: trips.append("pipeline") or pipeline(**kw)  # type: ignore[method-assign]
+    store.redis.execute_command = lambda *a, **kw: trips.append(a[0]) or command(*a, **kw)  # type: ignore[method-assign]
+    results = await asyncio.gather(
+        *(write(log, range(2, 3)) for log in logs), return_exceptions=True
+    )
+    assert isinstance(results[0], Fenced) and results[1:] == [None] * 19
+    assert len(trips) <= 2, trips  # 20 sessions, not 20 round trips
+    for sid in sids[1:]:
+        assert [s for s, _ in await RedisLog(store, sid).read(0)] == [1, 2]

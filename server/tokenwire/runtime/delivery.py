@@ -38,6 +38,28 @@ from .ws import close_or_abort, unless_closed, write_messages
 _OPEN = State.OPEN  # per token: a lookup through the enum class takes 9x as long
 
 
+def writable_now(ws: ServerConnection) -> bool:
+    """Open, with nothing waiting in its write buffer: a frame written now
+    goes out at once, in order."""
+    transport = ws.transport
+    return not (
+        transport is None
+        or transport.get_write_buffer_size()
+        or transport.is_closing()
+        or ws.protocol.state is not _OPEN
+    )
+
+
+def frames_of(
+    event: dict[str, Any], frame: Frame, logged_by: Dialect, dialect: Dialect
+) -> list[Frame]:
+    """What goes out for a logged event: its logged frame, or the frames of
+    another socket's dialect that took over meanwhile."""
+    if dialect.single_frame:
+        return [frame if dialect is logged_by else dialect.encode(event)]
+    return list(dialect.frames(event))
+
+
 @dataclass(frozen=True, slots=True)
 class Pace:
     """The backpressure settings (see config.ServerConfig)."""
@@ -182,25 +204,17 @@ class Delivery:
         At once means: no log to write first, nothing queued ahead, and a
         client that keeps up (the socket's buffer is empty). Run per token:
         `behind()` inlined."""
-        ws, transport = self.ws, None
+        ws = self.ws
         if (
             ws is not None
             and self.live
             and not (self._durable or self.paused or self.outbox.queue)
             and not (self._stall_timer or self._slow_timer)
             and self.drained._value  # is_set(), without the call
+            and writable_now(ws)
         ):
-            transport = ws.transport
-            if (
-                transport is None
-                or transport.get_write_buffer_size()
-                or transport.is_closing()
-                or ws.protocol.state is not _OPEN
-            ):
-                transport = None
-        if transport is not None:
             # The outbox is empty: what waits is in the socket's buffer.
-            buffered = self._write_now(ws, events)  # type: ignore[arg-type]
+            buffered = self._write_now(ws, events)
         else:
             self.outbox.extend(events)
             self._wake()
@@ -405,22 +419,27 @@ class Delivery:
             await self._send_batch(batch)
 
     async def _send_batch(self, batch: list[tuple[dict[str, Any], Frame]]) -> None:
-        """Send logged events; `batch` holds each with its logged frame."""
+        """Send logged events; `batch` holds each with its logged frame. To a
+        socket with nothing waiting in its buffer, in one write, without
+        `ws.send`'s wait (as `send` does without a log)."""
         logged_by = self.dialect
+        ws = self.ws if self.live else None
+        if ws is not None and writable_now(ws):
+            messages: list[Frame] = []
+            for event, frame in batch:
+                if event["seq"] > self.sent_seq:  # else the replay sent it already
+                    self.sent_seq, self.sent_by_writer = event["seq"], self.sent_by_writer + 1
+                    messages += frames_of(event, frame, logged_by, self.dialect)
+            if messages:
+                write_messages(ws, messages)
+            return
         for event, frame in batch:
             ws = self.ws if self.live else None
-            seq = event["seq"]
-            if ws is None or seq <= self.sent_seq:
+            if ws is None or event["seq"] <= self.sent_seq:
                 continue  # no socket, or the replay sent it already
-            self.sent_seq = seq
-            # Another socket (another dialect) may have taken over meanwhile.
-            dialect = self.dialect
-            if dialect.single_frame:
-                await ws.send(frame if dialect is logged_by else dialect.encode(event))
-            else:
-                for out in dialect.frames(event):
-                    await ws.send(out)
-            self.sent_by_writer += 1
+            self.sent_seq, self.sent_by_writer = event["seq"], self.sent_by_writer + 1
+            for out in frames_of(event, frame, logged_by, self.dialect):
+                await ws.send(out)
 
     async def _locked_log_batch(self, merge: bool) -> list[tuple[dict[str, Any], Frame]]:
         async with self._log_lock:
