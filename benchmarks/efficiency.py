@@ -78,6 +78,17 @@ def frontend_cpu(
     return get
 
 
+def gateway_cpu(concurrency: int, side: str) -> Callable[[dict[str, Report]], float]:
+    """`--engine remote`: the gateway's own CPU against vLLM's SSE server, paired per round."""
+
+    def get(reports: dict[str, Report]) -> float:
+        return paired_interval(
+            reports["remote"]["vs_sse"][side][str(concurrency)]["gateway_vs_api_rounds"]
+        )[0]
+
+    return get
+
+
 # (what, target, at most (True) or at least, unit, getter)
 TARGETS: list[tuple[str, float, bool, str, Callable[[dict[str, Report]], float]]] = [
     (
@@ -164,6 +175,16 @@ TARGETS: list[tuple[str, float, bool, str, Callable[[dict[str, Report]], float]]
         )
         for c in (8, 32)
     ),
+    # Not the issue's target: tokenwire as a gateway in front of vLLM servers
+    # (`--engine remote`), its own process against vLLM's whole API server.
+    *(
+        (f"{label}, c={c}", 0.5, True, "x", gateway_cpu(c, side))
+        for side, label in (
+            ("tokenwire", "gateway CPU per token, `--engine remote` / vLLM's SSE server"),
+            ("tokenwire_x2", "the same, two instances logging to Redis (and redis-server)"),
+        )
+        for c in (8, 32)
+    ),
 ]
 
 SOURCES = {
@@ -174,6 +195,7 @@ SOURCES = {
     "gateway_ceiling-pymalloc": "benchmarks.gateway_ceiling --allocator pymalloc",
     "vs_vllm": "benchmarks.vs_vllm",
     "vs_vllm-interval4": "benchmarks.vs_vllm --stream-interval 4",
+    "remote": "benchmarks.remote",
 }
 
 
