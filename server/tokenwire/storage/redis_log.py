@@ -15,7 +15,8 @@ from .redis import RedisStore, pack
 log = get_logger("tokenwire.redis")
 
 # A session's keys get their TTL back at most this often: their expiry runs
-# from the last write to within this, for a third of the commands per delta.
+# from the last write to within this, and a delta is one command, not six
+# (MULTI, XADD, 3 PEXPIREs, EXEC).
 TTL_REFRESH_S = 1.0
 
 
