@@ -140,7 +140,8 @@ async def test_a_delta_is_one_command_and_the_ttls_are_kept(
     async def calls() -> dict[str, int]:
         stats = await store.redis.info("commandstats")
         return {
-            c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("xadd", "pexpire", "exec")
+            c: stats.get(f"cmdstat_{c}", {}).get("calls", 0)
+            for c in ("xadd", "evalsha", "pexpire", "exec")
         }
 
     log = RedisLog(store, sid)
@@ -153,6 +154,7 @@ async def test_a_delta_is_one_command_and_the_ttls_are_kept(
         await write(log, range(seq, seq + 1))
     after = await calls()
     assert after["xadd"] - before["xadd"] == 10
+    assert after["evalsha"] - before["evalsha"] == 10  # the group commit's script call
     assert after["pexpire"] == before["pexpire"] and after["exec"] == before["exec"]
     clock[0] += 1.0
     await write(log, range(12, 13))  # a second on: refreshed, in one transaction
@@ -179,3 +181,17 @@ async def test_sessions_deltas_are_committed_together_and_fail_alone(store: Redi
     assert len(trips) <= 2, trips  # 20 sessions, not 20 round trips
     for sid in sids[1:]:
         assert [s for s, _ in await RedisLog(store, sid).read(0)] == [1, 2]
+    # Each entry keeps its own fields: the event, the client frames taken
+    # and, where given, the generations' progress.
+    progress = {"resp_1": [7, [1, 2, 3]]}
+    await asyncio.gather(
+        store.append(sids[1], [(3, b"three")], progress, None, 5, refresh_ttl=False),
+        store.append(sids[2], [(3, b"other")], None, None, None, refresh_ttl=False),
+    )
+    one, two = [await store.read(sid, 2) for sid in sids[1:3]]
+    assert [(e.seq, e.event, e.progress, e.client_events) for e in one] == [
+        (3, b"three", progress, 5)
+    ]
+    assert [(e.seq, e.event, e.progress, e.client_events) for e in two] == [
+        (3, b"other", None, None)
+    ]

@@ -48,6 +48,7 @@ import redis.asyncio as redis
 from redis.exceptions import ResponseError
 
 from ..logs import get_logger
+from . import redis_client
 from .eventlog import Fenced
 from .group_commit import GroupCommit
 
@@ -103,7 +104,7 @@ class RedisStore:
     def __init__(
         self, url: str, *, ttl_s: float, maxlen: int, lease_s: float, instance_id: str | None = None
     ) -> None:
-        self.redis = redis.Redis.from_url(url, decode_responses=False)
+        self.redis = redis_client.from_url(url)
         self.url = url
         self.ttl_ms = int(ttl_s * 1000)
         self.maxlen = maxlen
@@ -111,7 +112,7 @@ class RedisStore:
         self.instance_id = instance_id or f"inst_{secrets.token_hex(6)}"
         self._claim = self.redis.register_script(_CLAIM)
         self._tasks: list[asyncio.Task[None]] = []
-        self._group = GroupCommit(self.redis)
+        self._group = GroupCommit(self.redis, maxlen)
 
     # -- instance lifecycle -----------------------------------------------------
 
@@ -223,9 +224,7 @@ class RedisStore:
         try:
             if len(xadds) == 1 and snapshot is None and not refresh_ttl:
                 entry_id, fields = xadds[0]
-                await self._group.xadd(
-                    key, fields, id=entry_id, maxlen=self.maxlen, approximate=True
-                )
+                await self._group.xadd(key, entry_id, fields)
                 return
             pipe = self.redis.pipeline(transaction=True)
             for entry_id, fields in xadds:
