@@ -405,6 +405,8 @@ class Delivery:
                 return  # events wait in the outbox for a socket
             behind = ws is not None and self.buffered_amount > self.pace.high_water
             if self.log.durable:
+                if not self.outbox:
+                    return  # nothing to log: no shielded task just to learn so
                 # Shielded: a batch once popped is always logged, even if the
                 # writer is cancelled meanwhile (it then holds the lock until done).
                 batch = await asyncio.shield(self._locked_log_batch(behind))
