@@ -195,3 +195,27 @@ async def test_sessions_deltas_are_committed_together_and_fail_alone(store: Redi
     assert [(e.seq, e.event, e.progress, e.client_events) for e in two] == [
         (3, b"other", None, None)
     ]
+
+
+async def test_a_large_group_is_split_into_short_script_calls(store: RedisStore) -> None:
+    """Redis runs a script whole: a group commit of many sessions goes out
+    in calls of at most MAX_PER_CALL entries, each entry still logged."""
+    from tokenwire.storage.group_commit import MAX_PER_CALL
+
+    n = 2 * MAX_PER_CALL + 10
+    sids = [f"sess_conf_{next(_ids)}" for _ in range(n)]
+    calls: list[int] = []  # entries per EVALSHA
+    command = store.redis.execute_command
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if args[0] == "EVALSHA":
+            calls.append(args[2])  # the number of keys
+        return command(*args, **kwargs)
+
+    store.redis.execute_command = counted  # type: ignore[method-assign]
+    await asyncio.gather(
+        *(store.append(sid, [(1, b"e")], None, None, 1, refresh_ttl=False) for sid in sids)
+    )
+    assert calls == [MAX_PER_CALL, MAX_PER_CALL, 10]
+    for sid in (sids[0], sids[MAX_PER_CALL], sids[-1]):
+        assert [(e.seq, e.event) for e in await store.read(sid, 0)] == [(1, b"e")]

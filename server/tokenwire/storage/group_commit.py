@@ -33,6 +33,10 @@ return out
 
 _Queued = tuple[str, str, dict[str, bytes], "asyncio.Future[None]"]
 
+# Entries per script call: Redis runs a script whole, so a call is kept
+# short (about a millisecond) for the other instances' commands.
+MAX_PER_CALL = 256
+
 
 class GroupCommit:
     def __init__(self, client: redis.Redis, maxlen: int) -> None:
@@ -53,7 +57,7 @@ class GroupCommit:
         batch: list[_Queued] = []
         try:
             while self._queued:  # what queued during a commit goes in the next
-                batch, self._queued = self._queued, []
+                batch, self._queued = self._queued[:MAX_PER_CALL], self._queued[MAX_PER_CALL:]
                 keys, args = [], [self._maxlen]
                 for key, entry_id, fields, _ in batch:
                     keys.append(key)
