@@ -219,3 +219,15 @@ async def test_a_large_group_is_split_into_short_script_calls(store: RedisStore)
     assert calls == [MAX_PER_CALL, MAX_PER_CALL, 10]
     for sid in (sids[0], sids[MAX_PER_CALL], sids[-1]):
         assert [(e.seq, e.event) for e in await store.read(sid, 0)] == [(1, b"e")]
+
+
+async def test_the_group_commit_reloads_its_script_after_redis_forgot_it(
+    store: RedisStore,
+) -> None:
+    """A restarted (or flushed) Redis has no scripts: the first call loads it
+    again, and the delta is logged."""
+    sid = f"sess_conf_{next(_ids)}"
+    await store.append(sid, [(1, b"one")], None, None, 1, refresh_ttl=False)
+    await store.redis.script_flush()
+    await store.append(sid, [(2, b"two")], None, None, 2, refresh_ttl=False)
+    assert [(e.seq, e.event) for e in await store.read(sid, 0)] == [(1, b"one"), (2, b"two")]
