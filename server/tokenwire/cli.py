@@ -285,7 +285,13 @@ def serve(config: ServerConfig, allocator: Plan) -> int:
         except ModelError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-    uvloop.run(TokenwireServer(config).serve_forever())
+    from .storage.redis import RedisUnavailable
+
+    try:
+        uvloop.run(TokenwireServer(config).serve_forever())
+    except RedisUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as redis
-from redis.exceptions import ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from ..logs import get_logger
 from . import redis_client
@@ -62,6 +62,24 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
 end
 return 0
 """
+
+
+class RedisUnavailable(Exception):
+    """Redis cannot serve this instance: unreachable, the login refused, or
+    the user may not run the commands tokenwire needs."""
+
+
+def _what_to_do(exc: Exception) -> str:
+    if isinstance(exc, AuthenticationError):
+        return "check the user and password in --redis-url"
+    if isinstance(exc, NoPermissionError):
+        return (
+            "the Redis user needs the string, hash, stream, key and scripting commands "
+            "(SET, GET, HSET, HGETALL, XADD, XRANGE, XREAD, PEXPIRE, DEL, EVALSHA, SCRIPT LOAD)"
+        )
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return "is redis-server running, and reachable at that address? Check --redis-url"
+    return "check --redis-url"
 
 
 def _key(*parts: str) -> str:
@@ -119,9 +137,17 @@ class RedisStore:
     async def start(
         self, on_forward: Callable[[str, str, Any, str], Awaitable[None] | None]
     ) -> None:
-        """Take the lease (fails fast if Redis is unreachable), then keep it
-        and read the inbox in the background."""
-        await self.redis.set(_key("inst", self.instance_id), b"1", px=self.lease_ms)
+        """Take the lease, then keep it and read the inbox in the background.
+        Fails fast, with what to do, if Redis is unreachable or refuses."""
+        try:
+            await self.redis.set(_key("inst", self.instance_id), b"1", px=self.lease_ms)
+            # Loaded now: a user without scripting fails here, not at the first delta.
+            await self.redis.script_load(_CLAIM)
+            await self._group.load()
+        except redis.RedisError as exc:
+            raise RedisUnavailable(
+                f"Redis at {_redact(self.url)}: {exc} ({_what_to_do(exc)})"
+            ) from exc
         self._tasks = [
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._read_inbox(on_forward)),
