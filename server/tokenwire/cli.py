@@ -285,11 +285,12 @@ def serve(config: ServerConfig, allocator: Plan) -> int:
         except ModelError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+    from .server.app import ListenError
     from .storage.redis import RedisUnavailable
 
     try:
         uvloop.run(TokenwireServer(config).serve_forever())
-    except RedisUnavailable as exc:
+    except (RedisUnavailable, ListenError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

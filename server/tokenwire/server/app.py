@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
+import os
 import signal
 from collections.abc import Awaitable
 from http import HTTPStatus
@@ -46,6 +48,20 @@ _BODY_ERRORS = {
     BodyError.TOO_LARGE: (HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "the body is too large"),
     BodyError.BAD_LENGTH: (HTTPStatus.BAD_REQUEST, "the Content-Length is not one number"),
 }
+
+
+class ListenError(Exception):
+    """The server cannot take the address it was given."""
+
+
+def _listen_hint(exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return "another program listens there; stop it, or choose another --port"
+    if exc.errno == errno.EACCES:
+        return "ports below 1024 need privileges; choose a --port above 1023"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return "--host is not an address of this machine; 0.0.0.0 listens on all of them"
+    return "check --host and --port"
 
 
 class TokenwireServer:
@@ -263,7 +279,23 @@ class TokenwireServer:
         self._engine_task.add_done_callback(self._check_priority_lanes)
         if self.heartbeat is not None:
             self.heartbeat.start()
-        self._server = await serve(
+        try:
+            self._server = await self._listen(tls)
+        except OSError as exc:
+            with contextlib.suppress(Exception):
+                await self.close()  # the engine may have begun to load; the lease is held
+            raise ListenError(
+                f"cannot listen on {self.config.host}:{self.config.port}: "
+                f"{os.strerror(exc.errno) if exc.errno else exc} ({_listen_hint(exc)})"
+            ) from exc
+        log.info(
+            "listening",
+            url=f"{'wss' if tls else 'ws'}://{self.config.host}:{self.port}{REALTIME_PATH}",
+            engine=self.engine.name,
+        )
+
+    async def _listen(self, tls: Any) -> Server:
+        return await serve(
             self._handle,
             self.config.host,
             self.config.port,
@@ -290,11 +322,6 @@ class TokenwireServer:
             ssl=tls,
             # Reads the body of POST /v1/realtime/client_secrets (server/body.py).
             create_connection=BodyConnection.with_max_body(self.config.max_message_bytes),
-        )
-        log.info(
-            "listening",
-            url=f"{'wss' if tls else 'ws'}://{self.config.host}:{self.port}{REALTIME_PATH}",
-            engine=self.engine.name,
         )
 
     def _check_priority_lanes(self, task: asyncio.Task[None]) -> None:

@@ -1,9 +1,10 @@
-"""`tokenwire serve --redis-url` with a Redis it cannot use stops at once,
-before the engine loads, with exit code 2 and what to do; never a traceback,
-never the password."""
+"""`tokenwire serve` that cannot start stops at once with exit code 2 and
+what to do, never a traceback: a Redis it cannot use (before the engine
+loads, and never showing the password), or an address it cannot take."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,11 +15,12 @@ import redis
 from ..conftest import RedisServer, free_port
 
 
-def serve(redis_url: str) -> subprocess.CompletedProcess[str]:
+def serve(redis_url: str | None, port: int | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
             *(sys.executable, "-m", "tokenwire", "serve", "--engine", "scripted"),
-            *("--port", str(free_port()), "--redis-url", redis_url),
+            *("--port", str(port or free_port())),
+            *(("--redis-url", redis_url) if redis_url else ()),
         ],
         capture_output=True,
         text=True,
@@ -64,3 +66,21 @@ def test_a_wrong_password_says_to_check_it(redis_server: RedisServer, limited_us
     assert run.returncode == 2
     assert "check the user and password in --redis-url" in run.stderr
     assert "n0t-the-pass" not in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("with_redis", [False, True])
+def test_a_port_in_use_says_so_and_gives_the_lease_back(
+    redis_server: RedisServer, with_redis: bool
+) -> None:
+    admin = redis.Redis(port=redis_server.port)
+    leases_before = set(admin.scan_iter("tw:inst:*"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = serve(redis_server.url if with_redis else None, port)
+    assert run.returncode == 2
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr
+    assert "choose another --port" in run.stderr and "Traceback" not in run.stderr
+    assert set(admin.scan_iter("tw:inst:*")) <= leases_before  # released, not left to expire
+    admin.close()
