@@ -40,7 +40,6 @@ MAX_PER_CALL = 256
 
 class GroupCommit:
     def __init__(self, client: redis.Redis, maxlen: int) -> None:
-        self._client = client
         self._xadds = client.register_script(_XADDS)
         self._maxlen = maxlen
         self._queued: list[_Queued] = []
@@ -48,7 +47,7 @@ class GroupCommit:
 
     async def load(self) -> None:
         """Load the script into Redis (a call loads it again if Redis forgot it)."""
-        await self._client.script_load(_XADDS)
+        await self._xadds.registered_client.script_load(_XADDS)
 
     async def xadd(self, key: str, entry_id: str, fields: dict[str, bytes]) -> None:
         """XADD (MAXLEN ~ maxlen), with whatever else is queued in this loop turn."""
