@@ -5,8 +5,10 @@ the memory the wave grew: it frees a 1 MiB arena only once every object in it
 is gone, and a few survivors pin most of them (1.4x the idle RSS after 10k
 sessions). glibc's malloc under `PYTHONMALLOC=malloc` keeps pages with a live
 chunk (1.17x). mimalloc frees by 64 KiB page and, with its decommit delay at
-0, hands freed pages back when `Reclaimer` calls `mi_collect` (1.13x). Per
-token it runs about the same instructions as pymalloc.
+0, hands freed pages back when `Reclaimer` calls `mi_collect` (1.13x). The
+delay must stay 0: at mimalloc 2.0's default (25 ms) `mi_collect(force)` gives
+nothing back (3.4x). The price is throughput at the extreme: 10k sessions
+flat out deliver about 7% fewer tokens/s than on pymalloc.
 
 An allocator is chosen before the interpreter starts, so `serve` executes
 itself once more with `LD_PRELOAD` and `PYTHONMALLOC` set (`plan`), then puts
