@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import statistics
@@ -119,6 +118,15 @@ class _Engine:
 async def _round(dialect: str, sessions: int, tokens: int) -> dict[str, float]:
     from tokenwire.config import ServerConfig
     from tokenwire.runtime.session_runtime import SessionRuntime
+
+    try:
+        from tokenwire.server.app import freeze_heap
+    except ImportError:  # an --against tree from before it was public
+        from tokenwire.server.app import _freeze_heap  # type: ignore[attr-defined]
+
+        def freeze_heap() -> None:
+            _freeze_heap(None)
+
     from tokenwire.wire import dialect_for
 
     sub = SUBPROTOCOLS[dialect]
@@ -142,12 +150,10 @@ async def _round(dialect: str, sessions: int, tokens: int) -> dict[str, float]:
         frame = msgpack.packb(request)
     else:
         frame = json.dumps(request)
-    # The server's collector settings once its engine is up (app._freeze_heap):
-    # with Python's defaults, young collections that scan the sessions made
-    # above would be most of what is measured.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
+    # The server's collector settings once its engine is up: with Python's
+    # defaults, young collections that scan the sessions made above would be
+    # most of what is measured.
+    freeze_heap()
     cpu, wall = time.process_time(), time.perf_counter()
     for rt in runtimes:
         rt.receive(frame)

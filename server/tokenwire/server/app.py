@@ -275,7 +275,7 @@ class TokenwireServer:
             await self.store.start(self.registry.on_forward)
         self._engine_task = asyncio.create_task(self.engine.start())
         self._engine_task.add_done_callback(_ignore_result)
-        self._engine_task.add_done_callback(_freeze_heap)
+        self._engine_task.add_done_callback(lambda _: freeze_heap())
         self._engine_task.add_done_callback(self._check_priority_lanes)
         if self.heartbeat is not None:
             self.heartbeat.start()
@@ -407,7 +407,7 @@ class TokenwireServer:
         await self.close()
 
 
-def _freeze_heap(_: asyncio.Task[None]) -> None:
+def freeze_heap() -> None:
     # What is loaded by now (the model, libraries) lives for the whole process:
     # keep it out of every later garbage collection, as vLLM's own server does.
     gc.collect()
