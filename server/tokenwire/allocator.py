@@ -4,11 +4,16 @@ After a wave of sessions ends, Python's own allocator (pymalloc) keeps most of
 the memory the wave grew: it frees a 1 MiB arena only once every object in it
 is gone, and a few survivors pin most of them (1.4x the idle RSS after 10k
 sessions). glibc's malloc under `PYTHONMALLOC=malloc` keeps pages with a live
-chunk (1.17x). mimalloc frees by 64 KiB page and, with its decommit delay at
-0, hands freed pages back when `Reclaimer` calls `mi_collect` (1.13x). The
-delay must stay 0: at mimalloc 2.0's default (25 ms) `mi_collect(force)` gives
-nothing back (3.4x). The price is throughput at the extreme: 10k sessions
-flat out deliver about 7% fewer tokens/s than on pymalloc.
+chunk (1.17x). mimalloc frees by 64 KiB page: `Reclaimer` has it hand every
+free page back (`Mimalloc.purge`).
+
+mimalloc purges a freed page (gives its memory back) only after a delay, so
+that a page freed and soon reused costs no page faults: 10k sessions in
+lockstep free and retake pages by the thousand, and with the delay at 0 they
+deliver ~3% fewer tokens/s. But mimalloc 2.0 purges a segment's expired
+pages only when it next takes a page from that segment; `mi_collect(force)`
+does not, so an idle server would keep a wave's memory (3.4x). Hence the
+sweep in `Mimalloc.purge`.
 
 An allocator is chosen before the interpreter starts, so `serve` executes
 itself once more with `LD_PRELOAD` and `PYTHONMALLOC` set (`plan`), then puts
@@ -25,9 +30,8 @@ import ctypes.util
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
 
 CHOICES = ("auto", "mimalloc", "pymalloc", "malloc")
 LIBRARY = "libmimalloc.so.2"  # Debian and Ubuntu: package libmimalloc2.0
@@ -37,11 +41,16 @@ LIBRARY_ENV = "TOKENWIRE_MIMALLOC_LIBRARY"
 # against executing a second time if the preload failed.
 MARK = "_TOKENWIRE_ALLOCATOR"
 MIMALLOC_SETTINGS = {
-    # Freed pages go back at once, not 25 ms later on some later allocation
-    # that an idle server never makes. 2.0 calls it decommit, 2.1 purge.
-    "MIMALLOC_DECOMMIT_DELAY": "0",
-    "MIMALLOC_PURGE_DELAY": "0",
+    # 2.0's default, the same for every version (2.1 and 3.x wait longer):
+    # long enough to spare the page faults of a page freed and reused, and
+    # `Mimalloc.purge` purges what it still holds. 2.0 says decommit, 2.1 purge.
+    "MIMALLOC_DECOMMIT_DELAY": "25",
+    "MIMALLOC_PURGE_DELAY": "25",
 }
+# mimalloc.h's mi_option_t, the same number since 2.0: decommit_delay, then purge_delay.
+OPTION_PURGE_DELAY = 15
+SWEEP_BLOCK = 16 * 1024  # mimalloc's largest small size: a 64 KiB page holds 4
+SWEEP_BATCH = 64  # blocks between looks at the address space
 
 
 class AllocatorError(Exception):
@@ -140,7 +149,7 @@ def apply(choice: str) -> Plan:
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], chosen.env)
     settle(os.environ)
-    if chosen.allocator == "mimalloc" and mimalloc_collect() is None:
+    if chosen.allocator == "mimalloc" and Mimalloc.load() is None:
         # The loader printed why; pymalloc's objects are on glibc now.
         if choice == "mimalloc":
             raise AllocatorError(f"{LIBRARY} could not be preloaded; {INSTALL_HINT}")
@@ -148,12 +157,71 @@ def apply(choice: str) -> Plan:
     return chosen
 
 
-def mimalloc_collect() -> Callable[[], Any] | None:
-    """mimalloc's `mi_collect(force)`, if mimalloc is this process's malloc."""
-    try:
-        collect = ctypes.CDLL(None).mi_collect
-    except (AttributeError, OSError):
-        return None
-    collect.argtypes = [ctypes.c_bool]
-    collect.restype = None
-    return lambda: collect(True)
+class Mimalloc:
+    """mimalloc's controls, when it is this process's malloc: the purge
+    delay (as configured while sessions run, 0 while the server is idle) and
+    `purge`, which hands every free page to the OS now."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self.delay = lib.mi_option_get(OPTION_PURGE_DELAY)
+        self.idle = False
+
+    @classmethod
+    def load(cls) -> Mimalloc | None:
+        try:
+            lib = ctypes.CDLL(None)
+            lib.mi_collect.argtypes = [ctypes.c_bool]
+        except (AttributeError, OSError):
+            return None
+        lib.mi_collect.restype = None
+        lib.mi_malloc.argtypes, lib.mi_malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+        lib.mi_free.argtypes, lib.mi_free.restype = [ctypes.c_void_p], None
+        lib.mi_option_get.argtypes, lib.mi_option_get.restype = [ctypes.c_int], ctypes.c_long
+        lib.mi_option_set.argtypes = [ctypes.c_int, ctypes.c_long]
+        lib.mi_option_set.restype = None
+        lib.mi_process_info.argtypes = [ctypes.POINTER(ctypes.c_size_t)] * 8
+        lib.mi_process_info.restype = None
+        return cls(lib)
+
+    def purge(self) -> int:
+        """A wave is over: purge the free pages the delay still holds, then
+        `mi_collect(force)`, and purge each page as it is freed until `busy`.
+        Returns the blocks the sweep took.
+
+        mimalloc 2.0 purges a segment's expired pages when it takes a new page
+        from that segment. So, with the delay at 0: fresh pages of 16 KiB
+        blocks, taken until mimalloc maps a new segment (none is left with
+        room, so each gave one), then freed, which purges them too. At most
+        twice as many bytes as it ever had committed: no more room is there.
+        ~80 ms at 10k sessions' peak."""
+        lib, taken = self._lib, []
+        self.idle = True
+        if lib.mi_option_get(OPTION_PURGE_DELAY) > 0:
+            lib.mi_collect(True)  # cached whole segments first: the next is mapped anew
+            info = [ctypes.c_size_t() for _ in range(8)]
+            lib.mi_process_info(*map(ctypes.byref, info))
+            most = 2 * info[6].value // SWEEP_BLOCK  # peak commit
+            malloc, start = lib.mi_malloc, _mapped_pages()
+            lib.mi_option_set(OPTION_PURGE_DELAY, 0)
+            try:
+                while len(taken) < most:
+                    taken += [malloc(SWEEP_BLOCK) for _ in range(SWEEP_BATCH)]
+                    if _mapped_pages() > start:
+                        break
+            finally:
+                for block in reversed(taken):
+                    lib.mi_free(block)
+        lib.mi_collect(True)  # and the pages it retired rather than freed
+        return len(taken)
+
+    def busy(self) -> None:
+        """Sessions again: a freed page waits the delay before it is purged."""
+        if self.idle:
+            self.idle = False
+            self._lib.mi_option_set(OPTION_PURGE_DELAY, self.delay)
+
+
+def _mapped_pages() -> int:
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[0])

@@ -16,7 +16,15 @@ import pytest
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
-from tokenwire.allocator import LIBRARY_ENV, MARK, AllocatorError, find_mimalloc, plan, settle
+from tokenwire.allocator import (
+    LIBRARY_ENV,
+    MARK,
+    MIMALLOC_SETTINGS,
+    AllocatorError,
+    find_mimalloc,
+    plan,
+    settle,
+)
 
 from ..conftest import rss_kib, spawn_server
 
@@ -28,7 +36,7 @@ def test_auto_takes_mimalloc_and_executes_again_with_it() -> None:
     assert chosen.allocator == "mimalloc" and chosen.env is not None
     assert chosen.env["LD_PRELOAD"] == LIB
     assert chosen.env["PYTHONMALLOC"] == "malloc"
-    assert chosen.env["MIMALLOC_DECOMMIT_DELAY"] == "0" and chosen.env["PATH"] == "/bin"
+    assert chosen.env["MIMALLOC_DECOMMIT_DELAY"] == "25" and chosen.env["PATH"] == "/bin"
     # The re-executed process does not execute again.
     assert plan("auto", chosen.env, LIB).env is None
     assert plan("auto", chosen.env, LIB).allocator == "mimalloc"
@@ -93,6 +101,57 @@ def test_serve_refuses_mimalloc_it_cannot_find(tmp_path: Path) -> None:
     )
     assert run.returncode == 2
     assert "apt-get install libmimalloc2.0" in run.stderr and "Traceback" not in run.stderr
+
+
+# A wave in a process on mimalloc with tokenwire's settings: what `mi_collect`
+# alone hands back, then `Mimalloc.purge`, and the delay while idle and busy.
+PURGE_PROBE = """
+import ctypes, json, os
+from tokenwire.allocator import OPTION_PURGE_DELAY, Mimalloc
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+lib = ctypes.CDLL(None)
+mimalloc = Mimalloc.load()
+base = rss()
+wave = [[{"n": i, "s": str(i) * 20, "b": bytearray(300)} for i in range(100)] for _ in range(1000)]
+keep = [[float(i)] for i in range(0, 100000, 97)]  # a few survivors among the freed
+peak = rss()
+del wave
+lib.mi_collect(True)
+collected = rss()
+taken = mimalloc.purge()
+idle_delay = lib.mi_option_get(OPTION_PURGE_DELAY)
+mimalloc.busy()
+print(json.dumps({
+    "version": lib.mi_version(), "base": base, "peak": peak, "collected": collected,
+    "purged": rss(), "taken": taken, "idle_delay": idle_delay,
+    "busy_delay": lib.mi_option_get(OPTION_PURGE_DELAY),
+}))
+"""
+
+
+def test_purge_hands_back_what_the_purge_delay_holds() -> None:
+    library = find_mimalloc()
+    assert library is not None, "make test installs libmimalloc2.0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIMALLOC_")}
+    env.update(MIMALLOC_SETTINGS, LD_PRELOAD=library, PYTHONMALLOC="malloc")
+    run = subprocess.run(
+        [sys.executable, "-c", PURGE_PROBE], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    delay = int(MIMALLOC_SETTINGS["MIMALLOC_DECOMMIT_DELAY"])
+    assert delay > 0 and got["busy_delay"] == delay
+    assert got["idle_delay"] == 0  # idle: a page is purged as soon as it is freed
+    grown = got["peak"] - got["base"]
+    assert grown > 40 * 1024, got
+    if got["version"] < 210:  # 2.0: mi_collect leaves the delayed pages alone
+        assert got["collected"] - got["base"] > 0.5 * grown, got
+    assert got["purged"] - got["base"] < 0.15 * grown, got
+    assert got["taken"] > 0
 
 
 def maps(pid: int) -> str:

@@ -36,6 +36,21 @@ class Trim:
         self.calls += 1
 
 
+class Purge(Trim):
+    """Stands in for allocator.Mimalloc: idle from its purge until `busy`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.idle = False
+
+    def __call__(self) -> None:
+        super().__call__()
+        self.idle = True
+
+    def busy(self) -> None:
+        self.idle = False
+
+
 @pytest.mark.usefixtures("fast")
 async def test_a_wave_is_reclaimed_once_after_it_ends() -> None:
     trim = Trim()
@@ -126,8 +141,8 @@ async def test_a_server_reclaims_after_a_wave_and_open_sessions_go_on() -> None:
     config = ServerConfig(engine="scripted", port=0, scripted_tokens_per_s=1000.0)
     async with _scripted_server(config) as running:
         reclaimer = running.server.registry.reclaimer
-        trim = Trim()
-        reclaimer._trim = trim  # type: ignore[assignment]
+        trim = Purge()
+        reclaimer._trim = reclaimer._mimalloc = trim  # type: ignore[assignment]
         async with ws_connect(running.url) as stays:
             created = json.loads(await stays.recv())
             assert created["type"] == "session.created"
@@ -137,6 +152,10 @@ async def test_a_server_reclaims_after_a_wave_and_open_sessions_go_on() -> None:
             await asyncio.sleep(0.3)
             assert reclaimer.reclaims >= 1 and trim.calls
             assert len(running.server.connections) == 1  # the tables kept the open one
+            assert trim.idle
+            async with ws_connect(running.url) as ws:  # the next session: busy again
+                await ws.recv()
+                assert not trim.idle
             await stays.send(
                 json.dumps(
                     {

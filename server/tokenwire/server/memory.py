@@ -3,11 +3,12 @@
 A session and its socket are reference cycles: they wait for a full garbage
 collection, which the thresholds `app.freeze_heap` sets make rare and an
 idle server never reaches. What they free then stays in the process: the
-allocator keeps freed pages for reuse until asked to return them (mimalloc's
-`mi_collect`, glibc's `malloc_trim`), and pymalloc returns a 1 MiB arena only
-once every object in it is gone, which a few objects that outlive a wave
-(free lists, caches) prevent for most of them; `reclaim` clears the caches
-and swaps the event loop's free lists for new blocks (`cycle_free_lists`).
+allocator keeps freed pages for reuse until asked to return them
+(`allocator.Mimalloc.purge`, glibc's `malloc_trim`), and pymalloc returns a
+1 MiB arena only once every object in it is gone, which a few objects that
+outlive a wave (free lists, caches) prevent for most of them; `reclaim`
+clears the caches and swaps the event loop's free lists for new blocks
+(`cycle_free_lists`).
 The server runs on mimalloc where it is installed (`allocator.py`).
 
 `Reclaimer` collects and trims once a wave of sessions has ended: at least
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..allocator import mimalloc_collect
+from ..allocator import Mimalloc
 from ..logs import get_logger
 
 log = get_logger("tokenwire.memory")
@@ -40,13 +41,8 @@ QUIET_S = 0.25  # no session ended for this long: the wave is over
 MAX_WAIT_S = 2.0  # a wave that goes on is reclaimed this long after it started
 
 
-def _trim() -> Callable[[], Any] | None:
-    """What hands freed pages to the OS: mimalloc's `mi_collect` when it is
-    the process's malloc (`allocator.py`), else glibc's `malloc_trim`, else
-    None (musl, macOS)."""
-    collect = mimalloc_collect()
-    if collect is not None:
-        return collect
+def _malloc_trim() -> Callable[[], Any] | None:
+    """glibc's `malloc_trim`, or None (musl, macOS)."""
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
             return None
@@ -92,7 +88,12 @@ def cycle_free_lists(loop: asyncio.AbstractEventLoop) -> None:
 
 class Reclaimer:
     def __init__(self, trim: Callable[[], Any] | None = None) -> None:
-        self._trim = trim if trim is not None else _trim()
+        # What hands freed pages to the OS: mimalloc's purge when it is the
+        # process's malloc (`allocator.py`), else glibc's `malloc_trim`.
+        self._mimalloc = Mimalloc.load() if trim is None else None
+        if self._mimalloc is not None:
+            trim = self._mimalloc.purge
+        self._trim = trim if trim is not None else _malloc_trim()
         self.ended = 0  # sessions ended since the last reclaim
         self.reclaims = 0
         self.tables: list[dict[Any, Any] | set[Any]] = []  # to shrink (see the module doc)
@@ -100,6 +101,10 @@ class Reclaimer:
         self._tail = False  # the last reclaim left sessions of its wave open
         self._first = self._last = 0.0  # the wave's first and last end since the trigger
         self._pending: asyncio.TimerHandle | None = None
+
+    def session_started(self) -> None:
+        if self._mimalloc is not None:
+            self._mimalloc.busy()
 
     def session_ended(self, still_open: int) -> None:
         self.ended += 1

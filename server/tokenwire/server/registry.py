@@ -47,6 +47,7 @@ class Registry:
         restored: tuple[dict[str, Any], list[Any]] | None = None,
         settings: dict[str, Any] | None = None,
     ) -> SessionRuntime:
+        self.reclaimer.session_started()
         runtime = SessionRuntime(
             self.engine,
             self.config,
