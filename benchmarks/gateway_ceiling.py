@@ -39,9 +39,9 @@ Clients are raw `websockets` connections in `--workers` separate processes
 
 Also recorded per run: the CPU each side used (cores = CPU seconds / wall
 seconds, from /proc), the CPU everything else on the machine used meanwhile,
-the server's peak RSS, and its full (generation-2) garbage collections, which
-stop its event loop: a sitecustomize hook on the servers' PYTHONPATH logs each
-one (`trace_gc`). Before each measurement the benchmark waits up to
+the server's peak RSS, and its garbage collections, full (generation 2) and
+young (0 and 1), which stop its event loop: a sitecustomize hook on the
+servers' PYTHONPATH logs each one (`trace_gc`). Before each measurement the benchmark waits up to
 `--quiet-wait` seconds for other processes to leave the cores alone, and
 measures again (`--retries`) if they took more than 0.25 cores meanwhile.
 
@@ -163,15 +163,15 @@ if _dir:
         now = time.perf_counter()
         if phase == "start":
             _start[0] = now
-        elif info["generation"] == 2:
-            _log.write(f"{now:.6f} {now - _start[0]:.6f}\\n")
+        else:
+            _log.write(f"{now:.6f} {now - _start[0]:.6f} {info['generation']}\\n")
 
     gc.callbacks.append(_gc_pause)
 """
 
 
 def trace_gc() -> Path:
-    """Make every Python process started from now on log its full GC pauses."""
+    """Make every Python process started from now on log its GC pauses."""
     hook, logs = SCRATCH / "gc_hook", SCRATCH / "gc_logs"
     hook.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
@@ -185,18 +185,21 @@ def trace_gc() -> Path:
 
 
 def gc_pauses(pid: int, since: float, until: float) -> dict[str, Any]:
-    """The full-GC pauses process `pid` logged between two perf_counter times."""
+    """The GC pauses process `pid` logged between two perf_counter times:
+    full (generation 2) and young (0 and 1) collections."""
     log = Path(os.environ.get("BENCH_GC_LOG_DIR", SCRATCH / "gc_logs")) / f"{pid}.log"
-    pauses = []
+    full, young = [], []
     if log.exists():
         for line in log.read_text().splitlines():
-            end, pause = map(float, line.split())
-            if since <= end <= until:
-                pauses.append(pause * 1000)
+            end, pause, generation = line.split()
+            if since <= float(end) <= until:
+                (full if generation == "2" else young).append(float(pause) * 1000)
     return {
-        "full_gc_count": len(pauses),
-        "full_gc_max_ms": max(pauses, default=0.0),
-        "full_gc_total_ms": sum(pauses),
+        "full_gc_count": len(full),
+        "full_gc_max_ms": max(full, default=0.0),
+        "full_gc_total_ms": sum(full),
+        "young_gc_count": len(young),
+        "young_gc_total_ms": sum(young),
     }
 
 
@@ -919,7 +922,10 @@ def table(report: dict[str, Any]) -> str:
         f"{code_note(m, report['code_changed_during_run'])}; tokenwire's allocator "
         f"{report.get('allocator') or 'pymalloc'}. "
         "Cores = CPU seconds / wall seconds during the measured run; `other` is everything "
-        "else on the machine meanwhile (other users' processes).",
+        "else on the machine meanwhile (other users' processes). GCs: garbage collections "
+        "during the measured run, each a stop-the-world pause of that process: the "
+        "server's full ones (generation 2: how many, the longest) and young ones "
+        "(generations 0 and 1: how many, their total), the clients' full ones.",
         "",
     ]
     retried = [r for r in rows if r["discarded_attempts"]]
@@ -948,7 +954,8 @@ def table(report: dict[str, Any]) -> str:
             "",
             "| sessions | tokens/session | server | tokens/s | frames/s | TTFT p50 (ms) | "
             "TTFT p99 (ms) | server cores | client cores | other cores | limited by | "
-            "full GCs: server; clients (longest ms) | peak RSS (MiB) | failed |",
+            "GCs: server full (longest ms), young (all ms); clients full (longest ms) | "
+            "peak RSS (MiB) | failed |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += _rows(report, "max", max_row)
@@ -957,13 +964,12 @@ def table(report: dict[str, Any]) -> str:
             "",
             f"**paced**: {report['paced_rate']:g} tokens/s per response, "
             f"{report['paced_tokens']} tokens, starts spread over one token interval. Lag = "
-            "token arrival - (request sent + (i+1)/rate), over every token. Full GCs: "
-            "generation-2 garbage collections during the run, each a stop-the-world pause "
-            "of that process.",
+            "token arrival - (request sent + (i+1)/rate), over every token.",
             "",
             "| sessions | offered tokens/s | server | delivered tokens/s | lag p50 (ms) | "
             "lag p99 (ms) | lag max (ms) | TTFT p50 (ms) | TTFT p99 (ms) | server cores | "
-            "client cores | other cores | full GCs: server; clients (longest ms) | "
+            "client cores | other cores | GCs: server full (longest ms), young (all ms); "
+            "clients full (longest ms) | "
             "peak RSS (MiB) | failed |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -999,8 +1005,12 @@ def spread(ratio: dict[str, Any], key: str) -> str:
 
 
 def gcs(r: dict[str, Any]) -> str:
+    # Young collections: not in reports from before they were logged.
+    young = ""
+    if "young_gc_count" in r:
+        young = f", {r['young_gc_count']} ({r['young_gc_total_ms']:.0f})"
     return (
-        f"{r['full_gc_count']} ({r['full_gc_max_ms']:.0f}); "
+        f"{r['full_gc_count']} ({r['full_gc_max_ms']:.0f}){young}; "
         f"{r['client_full_gc_count']} ({r['client_full_gc_max_ms']:.0f})"
     )
 
