@@ -41,9 +41,10 @@ Also recorded per run: the CPU each side used (cores = CPU seconds / wall
 seconds, from /proc), the CPU everything else on the machine used meanwhile,
 the server's peak RSS, and its garbage collections, full (generation 2) and
 young (0 and 1), which stop its event loop: a sitecustomize hook on the
-servers' PYTHONPATH logs each one (`trace_gc`). Before each measurement the benchmark waits up to
-`--quiet-wait` seconds for other processes to leave the cores alone, and
-measures again (`--retries`) if they took more than 0.25 cores meanwhile.
+servers' PYTHONPATH logs each one (`trace_gc`). Before each measurement the
+benchmark waits up to `--quiet-wait` seconds for other processes to leave the
+cores alone, and measures again (`--retries`) if they took more than 0.25
+cores meanwhile.
 
 Honesty note: the machine has 2 cores. The server uses at most one (a single
 event loop); the client processes share both cores with it. A flat-out run
