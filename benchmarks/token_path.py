@@ -120,12 +120,14 @@ async def _round(dialect: str, sessions: int, tokens: int) -> dict[str, float]:
     from tokenwire.runtime.session_runtime import SessionRuntime
 
     try:
-        from tokenwire.server.app import freeze_heap
-    except ImportError:  # an --against tree from before it was public
-        from tokenwire.server.app import _freeze_heap  # type: ignore[attr-defined]
+        from tokenwire.server.collector import COLLECTOR
 
-        def freeze_heap() -> None:
-            _freeze_heap(None)
+        freeze_heap, opened = COLLECTOR.freeze, COLLECTOR.session_opened
+    except ImportError:  # an --against tree from before the collector's thresholds
+        from tokenwire.server.app import freeze_heap
+
+        def opened() -> None:
+            pass
 
     from tokenwire.wire import dialect_for
 
@@ -138,6 +140,7 @@ async def _round(dialect: str, sessions: int, tokens: int) -> dict[str, float]:
         ws = _Socket(sub)
         rt.attach(ws, dialect_for(sub))  # type: ignore[arg-type]
         rt.go_live()
+        opened()  # as the server's registry does
         runtimes.append(rt)
         sockets.append(ws)
     await asyncio.sleep(0)  # the writers start and wait

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import gc
 import os
 import signal
 from collections.abc import Awaitable
@@ -31,6 +30,7 @@ from ..wire.close_codes import CLOSE_TRY_AGAIN_LATER
 from .admission import Admission
 from .body import BodyConnection, BodyError
 from .client_secrets import ClientSecrets
+from .collector import freeze_heap
 from .heartbeat import Heartbeat
 from .http import error_response, http_response, json_response, static_route
 from .registry import Registry
@@ -405,18 +405,6 @@ class TokenwireServer:
         log.info("shutting_down")
         await self.drain()
         await self.close()
-
-
-def freeze_heap() -> None:
-    # What is loaded by now (the model, libraries) lives for the whole process:
-    # keep it out of every later garbage collection, as vLLM's own server does.
-    gc.collect()
-    gc.freeze()
-    # Per-token objects (events, futures, tasks) live for milliseconds; with
-    # the default 700 allocations per young collection many of them get
-    # promoted, and at thousands of sessions full collections of the whole
-    # heap (600-800 ms, measured at 10k sessions) stall the event loop.
-    gc.set_threshold(50_000, 20, 100)
 
 
 def _ignore_result(task: asyncio.Task[None]) -> None:

@@ -19,6 +19,7 @@ from ..storage.eventlog import EventLog, resume_problem
 from ..storage.redis import Meta, RedisStore
 from ..storage.redis_log import RedisLog
 from .admission import KeyUsage, Limiter
+from .collector import COLLECTOR
 from .memory import Reclaimer
 
 
@@ -60,6 +61,8 @@ class Registry:
             self.stages,
         )
         runtime.on_moved = self.forget
+        if runtime.session.id not in self.sessions:
+            COLLECTOR.session_opened()
         self.sessions[runtime.session.id] = runtime
         if self.store is not None and restored is None:
             await self.store.register(runtime.session.id, usage.key_id)
@@ -156,6 +159,7 @@ class Registry:
         """The session ends here, or moved to another instance."""
         if self.sessions.get(runtime.session.id) is runtime:
             del self.sessions[runtime.session.id]
+            COLLECTOR.session_closed()
         if runtime.expiry is not None:
             runtime.expiry.cancel()
 
