@@ -6,9 +6,9 @@ that is still alive. A response in flight holds about 40 (its task,
 coroutines, generator, events). When thousands of sessions start responses
 together, a burst or sessions in lockstep, those objects are all alive: each
 collection walks them, finds nothing to free and promotes them. At 10,000
-sessions that was 7 collections of about 28 ms in a 3.5 s run, and tokenwire
-made 0.87x of bare websockets' tokens/s against 0.93x with collections held
-off (`benchmarks.gateway_ceiling`, session 22).
+sessions flat out that was 7 collections of about 28 ms in a 3.5 s run:
+0.87-0.89x of bare websockets' tokens/s, against 0.92-0.94x with them held
+off (`benchmarks.gateway_ceiling` at e5bb54b).
 
 `Collector` keeps `threshold0` above what the open sessions can hold in flight
 at once (`PER_SESSION` each), so young collections run on what was allocated
@@ -16,9 +16,9 @@ beyond that: garbage and growth, not work in flight. The garbage it lets wait
 is bounded the same way, by a multiple of what the sessions hold anyway; ended
 sessions are reference cycles that `memory.Reclaimer` collects after a wave.
 The cost: what outlives a response (conversation items) is walked in fewer,
-longer collections, about 0.5 us per object, so at 10,000 sessions one young
-collection in some tens of thousands of responses takes up to 0.3 s instead
-of many taking 25 ms. Full collections at that size take 0.6-0.8 s already.
+longer collections, about 0.5 us per object: at 10,000 sessions up to 0.3 s
+(640,000 objects) where one took 25 ms, and 13 times less often. Full
+collections at that size take 0.6-0.8 s already.
 """
 
 from __future__ import annotations
