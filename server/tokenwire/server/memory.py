@@ -1,7 +1,7 @@
 """Memory back to the OS after sessions end.
 
 A session and its socket are reference cycles: they wait for a full garbage
-collection, which the thresholds `app.freeze_heap` sets make rare and an
+collection, which the thresholds `collector.Collector` sets make rare and an
 idle server never reaches. What they free then stays in the process: the
 allocator keeps freed pages for reuse until asked to return them
 (`allocator.Mimalloc.purge`, glibc's `malloc_trim`), and pymalloc returns a
