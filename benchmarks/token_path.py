@@ -124,7 +124,13 @@ async def _round(dialect: str, sessions: int, tokens: int) -> dict[str, float]:
 
         freeze_heap, opened = COLLECTOR.freeze, COLLECTOR.session_opened
     except ImportError:  # an --against tree from before the collector's thresholds
-        from tokenwire.server.app import freeze_heap
+        try:
+            from tokenwire.server.app import freeze_heap
+        except ImportError:  # from before it was public
+            from tokenwire.server.app import _freeze_heap  # type: ignore[attr-defined]
+
+            def freeze_heap() -> None:
+                _freeze_heap(None)
 
         def opened() -> None:
             pass
