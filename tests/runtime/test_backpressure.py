@@ -153,36 +153,14 @@ async def test_big_event_written_at_once_does_not_close_a_reading_client(
         await client.add_message("still here")  # the socket is open and served
 
 
-class RecordingTransport:
-    """A socket that takes everything at once: its write buffer stays empty."""
-
-    def __init__(self) -> None:
-        self.written: list[bytes] = []
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def is_closing(self) -> bool:
-        return False
-
-    def writelines(self, data: list[bytes]) -> None:
-        self.written.extend(data)
-
-
 async def test_direct_write_never_overtakes_queued_events() -> None:
-    from types import SimpleNamespace
-
-    from websockets.protocol import State
-    from websockets.server import ServerProtocol
-
     from tokenwire.runtime.session_runtime import SessionRuntime
     from tokenwire.wire import dialect_for
 
+    from ..helpers.socket import open_socket
+
     conn = SessionRuntime(ScriptedEngine(), ServerConfig(engine="scripted"))
-    ws = SimpleNamespace(
-        protocol=ServerProtocol(), transport=RecordingTransport(), remote_address=None
-    )
-    ws.protocol.state = State.OPEN
+    ws = open_socket()
     conn.attach(ws, dialect_for(None))  # type: ignore[arg-type]
     conn.delivery.go_live()  # live, with no writer task: what queues stays queued
     outbox = conn.delivery.outbox

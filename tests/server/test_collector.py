@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from types import SimpleNamespace
 from typing import Any
 
 from websockets.asyncio.client import connect as ws_connect
-from websockets.protocol import State
-from websockets.server import ServerProtocol
 
 from tokenwire.config import ServerConfig
 from tokenwire.engines.scripted import ScriptedEngine
@@ -20,6 +17,7 @@ from tokenwire.server.collector import COLLECTOR, OLDER, PER_SESSION, YOUNG_MIN,
 from tokenwire.wire import dialect_for
 
 from ..conftest import _scripted_server
+from ..helpers.socket import open_socket
 from ..helpers.wait import until
 
 
@@ -43,26 +41,6 @@ def test_thresholds_follow_the_open_sessions() -> None:
     assert len(calls) == len(set(calls)) * 2 - 1
 
 
-class _Transport:
-    """Takes every write at once."""
-
-    def __init__(self) -> None:
-        self.written = bytearray()
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def is_closing(self) -> bool:
-        return False
-
-    def writelines(self, data: list[bytes]) -> None:
-        for chunk in data:
-            self.written += chunk
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-
 def _tracked() -> int:
     gc.collect()
     return len(gc.get_objects())
@@ -78,8 +56,7 @@ async def test_a_response_in_flight_holds_fewer_objects_than_its_budget() -> Non
     sockets: list[Any] = []
     for _ in range(n):
         rt = SessionRuntime(engine, ServerConfig(engine="scripted"))
-        ws = SimpleNamespace(protocol=ServerProtocol(), transport=_Transport(), remote_address=None)
-        ws.protocol.state = State.OPEN
+        ws = open_socket()
         rt.attach(ws, dialect_for(None))  # type: ignore[arg-type]
         rt.go_live()
         runtimes.append(rt)
@@ -90,7 +67,10 @@ async def test_a_response_in_flight_holds_fewer_objects_than_its_budget() -> Non
         for rt in runtimes:
             rt.receive('{"type": "response.create", "response": {"max_output_tokens": 50}}')
         await until(
-            lambda: all(b"output_text.delta" in ws.transport.written for ws in sockets),
+            lambda: all(
+                any(b"output_text.delta" in frame for frame in ws.transport.written)
+                for ws in sockets
+            ),
             "every session's first delta",
         )
         in_flight = _tracked()
