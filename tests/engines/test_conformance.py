@@ -2,11 +2,9 @@
 anything else (docs/architecture.md, "Adding an engine").
 
 It runs against the scripted engine, the real vLLM engine (SmolLM2 on the
-CPU, in this process; one engine for the module), once through `generate`
-and once through `generate_into` (what the runtime uses when the engine
-pushes), and the remote engine in front of a real `vllm serve` (one server for
-the whole run), through each of its two endpoints: /inference/v1/generate and
-/v1/completions. It checks what the
+CPU, in this process; one engine for the module), and the remote engine in
+front of a real `vllm serve` (one server for the whole run), through each of
+its two endpoints: /inference/v1/generate and /v1/completions. It checks what the
 session relies on: deltas with a finish reason on the last, usage on the
 first, max_output_tokens, the preflight and its rendered prompt, resuming
 after token ids, forced tool calls, and that closing the stream frees the
@@ -18,10 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from itertools import accumulate
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -34,7 +31,6 @@ from tokenwire.engines.base import (
     EngineDelta,
     EngineUnavailable,
     GenerationRequest,
-    PushingEngine,
     RequestError,
 )
 from tokenwire.engines.scripted import ScriptedEngine
@@ -71,7 +67,6 @@ def request(text: str = "What is the capital of France?", **kw: object) -> Gener
     params=[
         "scripted",
         pytest.param("vllm", marks=pytest.mark.vllm),
-        pytest.param("vllm-push", marks=pytest.mark.vllm),
         pytest.param("remote", marks=pytest.mark.vllm),
         pytest.param("remote-completions", marks=pytest.mark.vllm),
     ],
@@ -105,37 +100,9 @@ async def engine(request: pytest.FixtureRequest) -> AsyncIterator[Engine]:
         )
     await made.start()
     try:
-        if request.param == "vllm-push":
-            assert made.capabilities.push, "vLLM's output collector could not be stood in for"
-            yield Pushing(made)
-        else:
-            yield made
+        yield made
     finally:
         await made.close()
-
-
-class Pushing:
-    """An engine's `generate_into` seen as `generate`, so that the whole suite
-    runs through the push path; closing the stream cancels the call."""
-
-    def __init__(self, engine: PushingEngine) -> None:
-        self.engine = engine
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.engine, name)
-
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineDelta]:
-        got: asyncio.Queue[EngineDelta | None] = asyncio.Queue()
-        call = asyncio.create_task(self.engine.generate_into(req, got.put_nowait))
-        call.add_done_callback(lambda _: got.put_nowait(None))
-        try:
-            while (delta := await got.get()) is not None:
-                yield delta
-            await call  # what it raised
-        finally:
-            if not call.done():
-                call.cancel()
-                await asyncio.wait([call])
 
 
 async def collect(engine: Engine, req: GenerationRequest) -> list[EngineDelta]:
@@ -319,50 +286,3 @@ async def test_a_failed_engine_is_unavailable_not_a_bad_request() -> None:
     assert not broken.ready
     with pytest.raises(EngineUnavailable):
         await collect(broken, request())
-
-
-def only_pushing(test: Callable[..., Any]) -> Callable[..., Any]:
-    """The push path's own promises, on the engine that pushes (the instance
-    the suite ran on)."""
-    return pytest.mark.vllm(pytest.mark.parametrize("engine", ["vllm-push"], indirect=True)(test))
-
-
-@only_pushing
-async def test_what_the_sink_raises_ends_the_request(engine: Pushing) -> None:
-    pusher = engine.engine
-    taken: list[EngineDelta] = []
-
-    def sink(delta: EngineDelta) -> None:
-        taken.append(delta)
-        raise ValueError("the session failed")
-
-    with pytest.raises(ValueError, match="the session failed"):
-        await pusher.generate_into(
-            request("Count to a thousand.", max_output_tokens=400, ignore_eos=True), sink
-        )
-    assert len(taken) == 1  # none after the one that raised
-    await until_idle(pusher, "after the sink raised")
-
-
-@only_pushing
-async def test_nothing_reaches_the_sink_after_a_cancel(engine: Pushing) -> None:
-    pusher = engine.engine
-    taken: list[EngineDelta] = []
-    started = asyncio.Event()
-
-    def sink(delta: EngineDelta) -> None:
-        taken.append(delta)
-        started.set()
-
-    call = asyncio.create_task(
-        pusher.generate_into(
-            request("Count to a thousand.", max_output_tokens=400, ignore_eos=True), sink
-        )
-    )
-    await asyncio.wait_for(started.wait(), 60)
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
-    seen = len(taken)
-    await until_idle(pusher, "after cancel")
-    assert len(taken) == seen and all(d.finish_reason is None for d in taken)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -94,8 +94,6 @@ class EngineCapabilities:
     preflight: bool = False
     # The request's priority reaches the engine's scheduler.
     priority: bool = False
-    # It implements `PushingEngine.generate_into`.
-    push: bool = False
 
 
 class EngineError(Exception):
@@ -144,17 +142,3 @@ class Engine(Protocol):
     def load(self) -> EngineLoad:
         """Requests the engine holds right now (running and waiting)."""
         ...
-
-
-# Takes each delta of one generation, in order, synchronously.
-DeltaSink = Callable[[EngineDelta], None]
-
-
-class PushingEngine(Engine, Protocol):
-    """An engine that hands each delta over from its own output loop, the
-    moment it has it: no task wakes up per token to pull it (`push`)."""
-
-    async def generate_into(self, request: GenerationRequest, sink: DeltaSink) -> None:
-        """`generate`, pushed: returns after `sink` took the last delta.
-        Cancelling the call aborts the request; an exception `sink` raises
-        aborts it and is raised here. Raises EngineError."""

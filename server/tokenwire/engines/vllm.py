@@ -4,15 +4,11 @@ Prompts are rendered by the tokenizer's chat template and submitted as token
 ids, so the context check happens before any engine work. Prefix caching is
 on, which makes resubmitting a conversation (steer, resume) cheap.
 Cancelling the task that iterates `generate` aborts the vLLM request.
-`generate_into` is the same request pushed: vLLM's output loop calls the
-session's sink with each delta, where its per-request collector would wake a
-task that pulls it through two generators.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import zlib
 from collections import Counter
@@ -21,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..logs import get_logger
 from .base import (
-    DeltaSink,
     EngineCapabilities,
     EngineDelta,
     EngineLoad,
@@ -117,8 +112,6 @@ class VllmEngine:
             resume_from_token_ids=True,
             preflight=True,
             priority=vllm_config.scheduler_config.policy == "priority",
-            # generate_into stands in for vLLM's per-request collector.
-            push=isinstance(getattr(self._llm.output_processor, "request_states", None), dict),
         )
         # vLLM reads settings from the environment per token unless cached;
         # its own servers cache them once started (engine core does the same).
@@ -158,37 +151,6 @@ class VllmEngine:
         return self._template.prompt_ids(request, self._max_len or 0)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
-        prompt, params, options, outputs = await self._submission(request)
-        async for out in self._llm.generate(prompt, params, request.request_id, **options):
-            yield outputs.delta(out)
-
-    async def generate_into(self, request: GenerationRequest, sink: DeltaSink) -> None:
-        prompt, params, options, outputs = await self._submission(request)
-        llm = self._llm
-        collector = await llm.add_request(request.request_id, prompt, params, **options)
-        rid = collector.request_id  # vLLM's internal id
-        pushed = Pushed(outputs, sink)
-        state = llm.output_processor.request_states.get(rid)
-        if state is not None:  # else it ended before it started (an error put into the collector)
-            state.queue = pushed
-        if collector.output is not None:  # came before the swap (an output or an error)
-            pushed.put(collector.output)
-        if state is None and not pushed.done.done():
-            pushed.done.set_exception(EngineUnavailable("the engine dropped the request"))
-        try:
-            await pushed.done
-        except BaseException:
-            # `done` is done (cancelled with the call, or failed): vLLM's final
-            # "abort" output goes nowhere.
-            if rid in llm.output_processor.request_states:
-                with contextlib.suppress(Exception):  # a dead engine has nothing to abort
-                    await llm.abort(rid, internal=True)
-            raise
-
-    async def _submission(
-        self, request: GenerationRequest
-    ) -> tuple[dict[str, Any], Any, dict[str, Any], Outputs]:
-        """What `AsyncLLM` is given for `request`, and how its outputs become deltas."""
         await self._startup.wait()
         if self._llm is None:  # closed meanwhile
             raise EngineUnavailable("the engine is shut down")
@@ -230,70 +192,34 @@ class VllmEngine:
         rank = rank_of(request.session_id, self.ranks)
         if rank is not None:
             self.sent_by_rank[rank] += 1
-        prompt: dict[str, Any] = {"prompt_token_ids": ids}
-        if request.cache_salt:
-            prompt["cache_salt"] = request.cache_salt
-        options = {"priority": request.priority, "data_parallel_rank": rank}
-        return prompt, params, options, Outputs(len(ids), scanner, parser)
-
-
-class Outputs:
-    """Turns one request's `RequestOutput`s (DELTA kind) into `EngineDelta`s."""
-
-    __slots__ = ("first", "parser", "prompt_tokens", "scanner")
-
-    def __init__(self, prompt_tokens: int, scanner: Any, parser: ParserStream | None) -> None:
-        self.prompt_tokens, self.scanner, self.parser = prompt_tokens, scanner, parser
-        self.first = True
-
-    def delta(self, out: Any) -> EngineDelta:
-        completion = out.outputs[0]
-        text, calls = completion.text, None
-        if self.scanner is not None:
-            text, calls = "", self.scanner.feed(text)
-        elif self.parser is not None:
-            text, calls = self.parser.feed(text, list(completion.token_ids))
-        first, self.first = self.first, False
-        return EngineDelta(
-            text=text,
-            output_tokens=len(completion.token_ids),
-            finish_reason=completion.finish_reason if out.finished else None,
-            prompt_tokens=self.prompt_tokens if first else None,
-            cached_tokens=(out.num_cached_tokens or 0) if first else None,
-            tool_calls=calls or None,
-            token_ids=list(completion.token_ids),
-            queue_wait_s=_queue_wait(out.metrics) if first else None,
-        )
-
-
-class Pushed:
-    """Stands in for a request's output collector in vLLM's output processor
-    (`RequestState.queue`): vLLM's output loop calls `put` with each output,
-    which goes to the sink at once, where the collector would wake a task.
-    Whatever the sink raises ends the request's `generate_into`, not vLLM's loop."""
-
-    __slots__ = ("done", "outputs", "sink")
-
-    def __init__(self, outputs: Outputs, sink: DeltaSink) -> None:
-        self.outputs, self.sink = outputs, sink
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def put(self, output: Any) -> None:
-        if self.done.done():
-            return
-        if isinstance(output, BaseException):  # the engine died (vLLM's propagate_error)
-            self.done.set_exception(output)
-            return
-        try:
-            self.sink(self.outputs.delta(output))
-        except Exception as exc:
-            self.done.set_exception(exc)
-            return
-        if output.finished:
-            self.done.set_result(None)
-
-    def close(self) -> None:
-        pass
+        first = True
+        async for out in self._llm.generate(
+            {
+                "prompt_token_ids": ids,
+                **({"cache_salt": salt} if (salt := request.cache_salt) else {}),
+            },
+            params,
+            request.request_id,
+            priority=request.priority,
+            data_parallel_rank=rank,
+        ):
+            completion = out.outputs[0]
+            text, calls = completion.text, None
+            if scanner is not None:
+                text, calls = "", scanner.feed(text)
+            elif parser is not None:
+                text, calls = parser.feed(text, list(completion.token_ids))
+            yield EngineDelta(
+                text=text,
+                output_tokens=len(completion.token_ids),
+                finish_reason=completion.finish_reason if out.finished else None,
+                prompt_tokens=len(ids) if first else None,
+                cached_tokens=(out.num_cached_tokens or 0) if first else None,
+                tool_calls=calls or None,
+                token_ids=list(completion.token_ids),
+                queue_wait_s=_queue_wait(out.metrics) if first else None,
+            )
+            first = False
 
 
 def _queue_wait(stats: Any) -> float | None:

@@ -17,7 +17,7 @@ import time
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from websockets.asyncio.server import ServerConnection
 
@@ -30,7 +30,7 @@ from ..core.lifecycle import Quota
 from ..core.schema import SessionResume, parse_client_event
 from ..core.session import Session, SessionLimits
 from ..core.stages import Source, Stage, StageContext
-from ..engines.base import Engine, EngineDelta, EngineError, PushingEngine
+from ..engines.base import Engine, EngineDelta, EngineError
 from ..logs import get_logger
 from ..storage.eventlog import EventLog, LogState, MemoryLog, resume_problem
 from ..wire import Dialect, dialect_for
@@ -397,35 +397,26 @@ class SessionRuntime:
         return source
 
     async def _generate(self, action: StartGeneration) -> None:
-        rid, request = action.request.request_id, action.request
+        rid = action.request.request_id
         receive, pump, clock = self.session.receive_engine_output, self.pump, time.perf_counter
         # Between text deltas: the histogram takes them in batches. An array:
         # 8 bytes a gap, where a list holds a float object each.
         gaps = array("d")
         last = 0.0
-
-        def take(delta: EngineDelta) -> None:
-            nonlocal last
-            if delta.text:
-                now = clock()
-                if last:
-                    gaps.append(now - last)
-                    if len(gaps) >= GAP_BATCH:
-                        observe_gaps(gaps)
-                last = now
-            receive(rid, delta)
-            pump()
-
         try:
-            if self.engine.capabilities.push and not self.stages:
-                # Each delta reaches the session from the engine's output loop.
-                await cast(PushingEngine, self.engine).generate_into(request, take)
-            else:
-                stream = self._source(action.response_id)(request)
-                # Closed however the loop ends: a stage's close closes what it wraps.
-                async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                    async for delta in stream:
-                        take(delta)
+            stream = self._source(action.response_id)(action.request)
+            # Closed however the loop ends: a stage's close closes what it wraps.
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for delta in stream:
+                    if delta.text:
+                        now = clock()
+                        if last:
+                            gaps.append(now - last)
+                            if len(gaps) >= GAP_BATCH:
+                                observe_gaps(gaps)
+                        last = now
+                    receive(rid, delta)
+                    pump()
             # A stream that ends without a finish reason still ends the response.
             self.session.receive_engine_output(rid, EngineDelta("", 0, "abort"))
         except EngineError as exc:
