@@ -30,7 +30,7 @@ from ..wire.close_codes import CLOSE_TRY_AGAIN_LATER
 from .admission import Admission
 from .body import BodyConnection, BodyError
 from .client_secrets import ClientSecrets
-from .collector import freeze_heap
+from .collector import COLLECTOR
 from .heartbeat import Heartbeat
 from .http import error_response, http_response, json_response, static_route
 from .registry import Registry
@@ -275,7 +275,7 @@ class TokenwireServer:
             await self.store.start(self.registry.on_forward)
         self._engine_task = asyncio.create_task(self.engine.start())
         self._engine_task.add_done_callback(_ignore_result)
-        self._engine_task.add_done_callback(lambda _: freeze_heap())
+        self._engine_task.add_done_callback(lambda _: COLLECTOR.freeze())
         self._engine_task.add_done_callback(self._check_priority_lanes)
         if self.heartbeat is not None:
             self.heartbeat.start()

@@ -75,7 +75,3 @@ class Collector:
 
 # The thresholds are the process's, whichever server or registry opens sessions.
 COLLECTOR = Collector()
-
-
-def freeze_heap() -> None:
-    COLLECTOR.freeze()
