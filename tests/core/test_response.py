@@ -3,7 +3,7 @@ handed out before (an event's copy of an item) keeps what it had."""
 
 from __future__ import annotations
 
-from tokenwire.core.conversation import Conversation
+from tokenwire.core.conversation import ITEM_BYTES, Conversation
 from tokenwire.core.response import Response
 
 
@@ -32,5 +32,5 @@ def test_text_and_arguments_grow_and_earlier_copies_stay() -> None:
     held = call["arguments"]
     resp.append_call_chunk(conv, 0, None, ": 1}")
     assert call["arguments"] == '{"a": 1}' and held == '{"a"'
-    assert conv.history_bytes == len("Hello, world") + len('{"a": 1}')
+    assert conv.history_bytes == len("Hello, world") + len('{"a": 1}') + 2 * ITEM_BYTES
     assert conv.items == [item, call]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tokenwire.core.conversation import ITEM_BYTES
 from tokenwire.core.errors import ErrorCode, ProtocolError
 from tokenwire.core.events import AbortGeneration, StartGeneration
 from tokenwire.core.outbox import Outbox
@@ -279,7 +280,8 @@ def test_events_snapshot_items(session: Session) -> None:
 
 
 def test_conversation_size_is_capped(clock: Clock) -> None:
-    s = Session(clock=clock, limits=SessionLimits(max_conversation_bytes=100))
+    cap = 60 + ITEM_BYTES + 100  # one item of 60 bytes fits, a second does not
+    s = Session(clock=clock, limits=SessionLimits(max_conversation_bytes=cap))
     s.events_to_send()
     ok = drive(
         s,
@@ -308,7 +310,36 @@ def test_conversation_size_is_capped(clock: Clock) -> None:
         },
     )
     assert codes(events) == ["conversation_too_large"]
-    assert s.history_bytes == 60
+    assert s.history_bytes == 60 + ITEM_BYTES
+
+
+def test_empty_items_count_against_the_cap(clock: Clock) -> None:
+    """Each item counts too, or items without text would hold memory unbounded."""
+    s = Session(clock=clock, limits=SessionLimits(max_conversation_bytes=10 * ITEM_BYTES))
+    s.events_to_send()
+    empty = {"type": "message", "role": "assistant", "content": ""}
+    results = [
+        drive(s, {"type": "conversation.item.create", "item": dict(empty)})[0]["type"]
+        for _ in range(12)
+    ]
+    assert results == ["conversation.item.created"] * 10 + ["error"] * 2
+    assert codes(drive(s, {"type": "conversation.item.create", "item": dict(empty)})) == [
+        "conversation_too_large"
+    ]
+    # A deleted item gives its room back.
+    drive(s, {"type": "conversation.item.delete", "item_id": s.items[0]["id"]})
+    assert drive(s, {"type": "conversation.item.create", "item": dict(empty)})[0]["type"] == (
+        "conversation.item.created"
+    )
+    # Model output items count as well: a response that writes one byte takes an item's room.
+    s2 = Session(clock=clock, limits=SessionLimits(max_conversation_bytes=3 * ITEM_BYTES))
+    s2.events_to_send()
+    for expected in ("response.created", "response.created", "response.created", "error"):
+        events = drive(s2, {"type": "response.create", "response": {"conversation": "none"}})
+        assert events[0]["type"] == expected
+        for action in s2.actions_to_perform():
+            s2.receive_engine_output(action.request.request_id, EngineDelta("x", 1, "stop"))
+        s2.events_to_send()
 
 
 def test_client_events_counts_every_frame_taken(session: Session) -> None:
@@ -323,3 +354,47 @@ def test_client_events_counts_every_frame_taken(session: Session) -> None:
         ProtocolError(ErrorCode.SESSION_NOT_FOUND, "no such session"), frame=False
     )
     assert session.client_events == 5
+
+
+def test_a_rate_below_one_event_in_two_seconds_still_lets_events_through(clock: Clock) -> None:
+    s = Session(clock=clock, limits=SessionLimits(max_events_per_s=0.25))
+    s.events_to_send()
+    update = {"type": "session.update", "session": {}}
+    assert [e["type"] for e in drive(s, update)] == ["session.updated"]
+    assert codes(drive(s, update)) == ["rate_limit_exceeded"]
+    clock.t += 4.0  # one event's worth at 0.25/s
+    assert [e["type"] for e in drive(s, update)] == ["session.updated"]
+
+
+@pytest.mark.parametrize(
+    ("properties", "param"),
+    [
+        # pydantic labels the JSON value union's members ("dict", "list"): not the client's keys
+        ({"city": {"enum": [b"\x00"]}}, "session.tools.0.parameters.properties.city.enum.0"),
+        # a property the client named "dict" is a real key and stays
+        ({"dict": {"enum": [b"\x00"]}}, "session.tools.0.parameters.properties.dict.enum.0"),
+    ],
+)
+def test_error_param_is_the_clients_own_path(
+    session: Session, properties: dict[str, object], param: str
+) -> None:
+    tool = {"type": "function", "name": "f", "parameters": {"properties": properties}}
+    (error,) = drive(session, {"type": "session.update", "session": {"tools": [tool]}})
+    assert error["error"]["code"] == "invalid_field" and error["error"]["param"] == param
+
+
+def test_a_missing_field_is_named_in_param(session: Session) -> None:
+    (error,) = drive(
+        session,
+        {"type": "conversation.item.create", "item": {"type": "function_call_output"}},
+    )
+    assert error["error"]["code"] == "missing_field"
+    assert error["error"]["param"] == "item.call_id"
+
+
+def test_a_resume_frame_mid_session_is_not_counted(session: Session) -> None:
+    """Clients number their frames without session.resume (docs: Resume)."""
+    drive(session, {"type": "session.update", "session": {}})
+    events = drive(session, {"type": "session.resume", "session_id": session.id, "last_seq": 1})
+    assert codes(events) == ["invalid_state"]
+    assert session.client_events == 1

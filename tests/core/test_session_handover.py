@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from tokenwire.core import snapshot as snapshots
 from tokenwire.core.events import AbortGeneration, StartGeneration, StartTimer
 from tokenwire.core.session import Session
 from tokenwire.engines.base import EngineDelta
@@ -152,3 +155,54 @@ def test_the_client_event_count_survives_a_takeover() -> None:
     start(s, "one")
     r = Session.restore(over_the_wire(s))
     assert r.client_events == s.client_events == 2
+
+
+def _usage_after(
+    takeover: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A response whose first delta (with the prompt's usage) is logged only
+    as a delta batch, then continued: on the same instance, or by another."""
+    clock = [100.0]
+    # The wall clock (what instances share) moves with this test's clock.
+    monkeypatch.setattr(snapshots.time, "time", lambda: 1.7e9 + clock[0])
+    s = Session(clock=lambda: clock[0])
+    _, action = start(s, "tell me", max_output_tokens=10)
+    snapshot = over_the_wire(s)
+    s.events_to_send()
+    clock[0] += 0.05
+    s.receive_engine_output(
+        action.request.request_id,
+        EngineDelta(
+            "Hello", 1, None, 12, 8, token_ids=[11], queue_wait_s=0.5, cached_response=True
+        ),
+    )
+    events = s.events_to_send()
+    assert {e["type"] for e in events} <= STRUCTURE_FREE
+    progress = unpack(pack(s.progress()))
+    if takeover:
+        s = Session.restore(snapshot, clock=lambda: clock[0])
+        for event in events:
+            s.replay_delta(event)
+        s.restore_progress(progress)
+    else:
+        s.suspend()
+    s.resume()
+    (cont,) = [a for a in s.actions_to_perform() if isinstance(a, StartGeneration)]
+    clock[0] += 1.0
+    s.receive_engine_output(
+        cont.request.request_id, EngineDelta(" world", 1, "stop", 13, 12, token_ids=[12])
+    )
+    (done,) = [e["response"] for e in s.events_to_send() if e["type"] == "response.done"]
+    return done["usage"], done["timings"]
+
+
+def test_a_takeover_keeps_the_usage_and_timings_logged_after_the_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    same_usage, same_timings = _usage_after(False, monkeypatch)
+    usage, timings = _usage_after(True, monkeypatch)
+    assert usage == same_usage
+    assert usage["input_tokens"] == 25 and usage["cached_tokens"] == 20
+    assert usage.get("cached_response") is True
+    assert timings["queue_wait_ms"] == same_timings["queue_wait_ms"] == 500.0
+    assert timings["ttft_ms"] == same_timings["ttft_ms"] == 50.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tokenwire.core.conversation import ITEM_BYTES
 from tokenwire.core.events import StartGeneration, StartTimer
 from tokenwire.core.session import Session, SessionLimits
 from tokenwire.core.tools import ToolFlow
@@ -78,7 +79,7 @@ def test_item_delete(flow: ToolFlow) -> None:
     before = s.history_bytes
     events = drive(s, {"type": "conversation.item.delete", "item_id": user["id"], "event_id": "d"})
     assert events == [{"type": "conversation.item.deleted", "item_id": user["id"], "event_id": "d"}]
-    assert s.items == [answer] and s.history_bytes == before - len("first question")
+    assert s.items == [answer] and s.history_bytes == before - len("first question") - ITEM_BYTES
     retrieve = {"type": "conversation.item.retrieve", "item_id": user["id"]}
     assert codes(drive(s, retrieve)) == ["unknown_item"]
     assert codes(drive(s, {"type": "conversation.item.delete", "item_id": user["id"]})) == [

@@ -310,3 +310,49 @@ def test_output_for_finished_out_of_band_response(session: Session) -> None:
     drive(session, {"type": "response.cancel"})
     assert codes(output(session, call_id, "late")) == ["response_not_active"]
     assert all(i["type"] != "function_call_output" for i in session.items)
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_tool_round_after_the_budget_is_spent_does_not_run(
+    session: Session, ignore_eos: bool
+) -> None:
+    """max_output_tokens is one budget for the whole response: a call that
+    spends it all ends the response once its output is in, as a generation
+    cut at the cap would, and no continuation is asked for."""
+    action = begin(session, tool_choice="required", max_output_tokens=3, ignore_eos=ignore_eos)
+    rq = action.request.request_id
+    for chunk in ('{"city":', ' "Par', 'is"}'):
+        call(session, rq, 0, "get_weather", chunk)
+    session.receive_engine_output(rq, EngineDelta("", 0, "stop"))
+    call_id = session.events_to_send()[0]["call_id"]
+    session.actions_to_perform()  # the tool timer
+    events = output(session, call_id, "sunny")
+    assert session.actions_to_perform() == []  # no generation with a cap of 0 (or 1)
+    assert types(events) == ["conversation.item.created", "response.done"]
+    done = events[-1]["response"]
+    assert done["usage"]["output_tokens"] == 3
+    if ignore_eos:
+        assert done["status"] == "completed"
+    else:
+        assert done["status"] == "incomplete"
+        assert done["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
+
+
+def test_a_steer_after_the_budget_is_spent_ends_the_response(session: Session) -> None:
+    drive(
+        session,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "hi"},
+        },
+    )
+    drive(session, {"type": "response.create", "response": {"max_output_tokens": 2}})
+    (gen,) = session.actions_to_perform()
+    session.receive_engine_output(gen.request.request_id, EngineDelta("Hello there", 2))
+    session.events_to_send()
+    events = drive(session, {"type": "response.steer", "input": "shorter"})
+    actions = session.actions_to_perform()
+    assert [type(a) for a in actions] == [AbortGeneration]  # and nothing started
+    assert types(events)[-1] == "response.done"
+    assert events[-1]["response"]["status_details"]["reason"] == "max_output_tokens"
+    assert events[-1]["response"]["usage"]["output_tokens"] == 2

@@ -12,6 +12,10 @@ from .errors import ErrorCode, ProtocolError
 from .schema import FunctionCallOutputItem, MessageItem
 
 Item = dict[str, Any]
+# What each item counts against the size cap besides its text: about the
+# memory an empty item holds (measured: 370 bytes), so empty items cannot
+# grow a session without bound.
+ITEM_BYTES = 384
 
 
 # Response, item and call ids name things inside one session, which holds
@@ -47,10 +51,11 @@ class Conversation:
         self.by_id: dict[str, Item] = {}
         self.history_bytes = 0
 
-    def check_room(self, text_bytes: int, event_id: str | None) -> None:
-        """Refuse new client text past the cap; callers count it (`add_bytes`)
-        once every other check has passed."""
-        if self.history_bytes + text_bytes > self.max_bytes:
+    def check_room(self, text_bytes: int, event_id: str | None, items: int = 1) -> None:
+        """Refuse new client items past the cap; callers count their text
+        (`add_bytes`) once every other check has passed, and adding an item
+        counts the item."""
+        if self.history_bytes + text_bytes + items * ITEM_BYTES > self.max_bytes:
             raise ProtocolError(
                 ErrorCode.CONVERSATION_TOO_LARGE,
                 f"the conversation would exceed {self.max_bytes} bytes of text; start a new "
@@ -127,6 +132,7 @@ class Conversation:
             index = next(i for i, it in enumerate(self.items) if it["id"] == previous_item_id)
             self.items.insert(index + 1, item)
         self.by_id[item["id"]] = item
+        self.history_bytes += ITEM_BYTES
 
     def append_to(self, context: list[Item], item: Item) -> None:
         """Add an item to a response's context: the conversation, or its own list."""
@@ -135,6 +141,7 @@ class Conversation:
         else:
             context.append(item)
             self.by_id[item["id"]] = item
+            self.history_bytes += ITEM_BYTES
 
     def remove_from(self, context: list[Item], item: Item) -> None:
         if item in context:
@@ -162,7 +169,7 @@ class Conversation:
         self.items.remove(item)
         del self.by_id[item_id]
         text = item.get("content") or item.get("arguments") or item.get("output") or ""
-        self.history_bytes = max(self.history_bytes - len(text.encode()), 0)
+        self.history_bytes = max(self.history_bytes - len(text.encode()) - ITEM_BYTES, 0)
         return item
 
     def truncate(self, item_id: str, text_end: int, event_id: str | None) -> Item:

@@ -275,6 +275,11 @@ class Lifecycle:
         self, resp: Response, request: GenerationRequest | None = None, fresh: bool = True
     ) -> None:
         request = request or self._next_request(resp)
+        if request.max_output_tokens == 0:
+            # A tool round, steer or resume after the whole response's budget
+            # is spent: it ends as a generation cut at its cap would.
+            self._end_generation(resp, "length")
+            return
         if fresh:
             resp.gen_request, resp.gen_token_ids, resp.logged_ids = request, [], 0
         resp.paused = False

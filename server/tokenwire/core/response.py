@@ -47,6 +47,7 @@ class Response:
     gen_token_ids: list[int] = field(default_factory=list)
     paused: bool = False
     logged_ids: int = 0  # gen_token_ids already in the event log (progress())
+    logged_usage: tuple[Any, ...] | None = None  # usage() as last logged
     generation: int = 0
     wait_token: int = 0
     input_tokens: int = 0
@@ -57,13 +58,23 @@ class Response:
     first_token_at: float | None = None
     done_at: float | None = None
 
+    def usage(self) -> tuple[Any, ...]:
+        """What a takeover needs for usage and timings besides output tokens."""
+        return (
+            self.input_tokens,
+            self.cached_tokens,
+            self.queue_wait_s,
+            self.cached_response,
+            self.first_token_at,
+        )
+
     @property
     def active(self) -> bool:
         return self.status in ACTIVE
 
     def remaining_tokens(self) -> int | None:
         limit = self.params["max_output_tokens"]
-        return None if limit is None else max(limit - self.output_tokens, 1)
+        return None if limit is None else max(limit - self.output_tokens, 0)
 
     # -- output items ----------------------------------------------------------
 

@@ -216,6 +216,33 @@ CLIENT_EVENT_TYPES = frozenset(_EVENT_TYPES)
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 _TAGS = {"message", "function_call_output"}
 
+
+def _path_in(obj: Any, loc: tuple[int | str, ...]) -> list[str]:
+    """Pydantic's error location as the client's own keys and indexes: the
+    union and tag labels it adds (e.g. "literal['auto','none']", "dict",
+    "function_call_output") are not in the input, so they are left out. A
+    last key that is not there is a missing field's name."""
+    path: list[str] = []
+    node = obj
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node):
+            node = node[part]
+        elif (
+            i == len(loc) - 1
+            and isinstance(node, dict)
+            and isinstance(part, str)
+            and _FIELD_NAME.match(part)
+            and part not in _TAGS
+        ):
+            pass  # a missing field: named, though absent
+        else:
+            continue
+        path.append(str(part))
+    return path
+
+
 _PYDANTIC_CODES = {
     "missing": ErrorCode.MISSING_FIELD,
     "extra_forbidden": ErrorCode.UNKNOWN_FIELD,
@@ -255,14 +282,7 @@ def parse_client_event(obj: Any) -> ClientEvent:
         return adapter.validate_python(obj)
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
-        # Keep field names and list indexes; drop the union and tag labels
-        # pydantic adds to the location (e.g. "literal['auto','none']").
-        loc = [
-            str(part)
-            for part in first["loc"]
-            if isinstance(part, int) or (_FIELD_NAME.match(part) and part not in _TAGS)
-        ]
-        param = ".".join(loc)
+        param = ".".join(_path_in(obj, first["loc"]))
         code = _PYDANTIC_CODES.get(first["type"], ErrorCode.INVALID_FIELD)
         raise ProtocolError(
             code, f"{param or 'event'}: {first['msg']}", event_id=event_id, param=param

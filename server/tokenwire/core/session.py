@@ -20,7 +20,7 @@ from ..engines.base import EngineCapabilities, EngineDelta, EngineError
 from . import events as ev
 from . import schema as s
 from . import snapshot
-from .conversation import Conversation, Item, make_item, new_id, new_secret_id
+from .conversation import ITEM_BYTES, Conversation, Item, make_item, new_id, new_secret_id
 from .errors import ErrorCode, ProtocolError
 from .events import Action, Outputs
 from .lifecycle import Lifecycle, Preflight, Quota
@@ -81,7 +81,8 @@ class Session:
             resume_from_token_ids=True, preflight=True
         )
         rate = self.limits.max_events_per_s
-        self._events_bucket = TokenBucket(rate, 2 * rate, clock) if rate > 0 else None
+        # A burst of at least one event, or a rate below 0.5/s would refuse all.
+        self._events_bucket = TokenBucket(rate, max(2 * rate, 1), clock) if rate > 0 else None
         self.config: dict[str, Any] = {
             "instructions": None,
             "tools": [],
@@ -282,7 +283,7 @@ class Session:
         )
         request = self.lifecycle.checked_request(resp, inputs if in_conversation else [], event_id)
         size = sum(len(i["content"].encode()) for i in inputs) if inputs else 0
-        conv.check_room(size, event_id)
+        conv.check_room(size, event_id, items=len(inputs))
         # Last check: from here on the response exists and holds its slot.
         quota = self.lifecycle.quota
         if quota is not None and (problem := quota.acquire_response()):
@@ -293,6 +294,8 @@ class Session:
                 previous = conv.last_id()
                 conv.insert(item)
                 self._emit_item_created(item, previous, None)
+        else:  # the response's own context: counted as inserted ones are
+            conv.history_bytes += len(inputs) * ITEM_BYTES
         self.lifecycle.add(resp, request)
 
     def _on_response_cancel(self, ev_: s.ResponseCancel) -> None:
@@ -336,6 +339,7 @@ class Session:
         lifecycle.start_generation(resp, request)
 
     def _on_session_resume(self, ev_: s.SessionResume) -> None:
+        self.client_events -= 1  # clients number their frames without session.resume
         raise ProtocolError(
             ErrorCode.INVALID_STATE,
             "session.resume must be the first event on a new connection",

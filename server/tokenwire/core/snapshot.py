@@ -126,15 +126,24 @@ def _restore_response(session: Session, rs: dict[str, Any], now: float, wall: fl
         cached_tokens=rs["cached_tokens"],
         output_tokens=rs["output_tokens"],
         queue_wait_s=rs.get("queue_wait_s", 0.0),
-        first_token_at=None
-        if rs["first_token_wall"] is None
-        else now - (wall - rs["first_token_wall"]),
+        cached_response=rs.get("cached_response", False),
+        first_token_at=_monotonic(rs["first_token_wall"], now, wall),
     )
+
+
+# Wall clock in what goes to another instance: it has its own monotonic clock.
+def _wall(at: float | None, now: float, wall: float) -> float | None:
+    return None if at is None else wall - (now - at)
+
+
+def _monotonic(at_wall: float | None, now: float, wall: float) -> float | None:
+    return None if at_wall is None else now - (wall - at_wall)
 
 
 def _response_state(resp: Response, now: float, wall: float) -> dict[str, Any]:
     req = resp.gen_request
     resp.logged_ids = len(resp.gen_token_ids)
+    resp.logged_usage = resp.usage()
     return {
         "id": resp.id,
         "event_id": resp.event_id,
@@ -158,9 +167,8 @@ def _response_state(resp: Response, now: float, wall: float) -> dict[str, Any]:
         "cached_tokens": resp.cached_tokens,
         "output_tokens": resp.output_tokens,
         "queue_wait_s": resp.queue_wait_s,
-        "first_token_wall": None
-        if resp.first_token_at is None
-        else wall - (now - resp.first_token_at),
+        "cached_response": resp.cached_response,
+        "first_token_wall": _wall(resp.first_token_at, now, wall),
     }
 
 
@@ -183,18 +191,31 @@ def replay_delta(session: Session, event: dict[str, Any]) -> None:
 
 def progress(session: Session) -> dict[str, list[Any]]:
     """What the logged deltas do not say: per active response, its output
-    tokens and the token ids added since the last call (or snapshot)."""
+    tokens and the token ids added since the last call (or snapshot), and its
+    usage and timings when they changed (the first delta brings the prompt's)."""
     out: dict[str, list[Any]] = {}
     for r in session.responses.values():
         if r.active and len(r.gen_token_ids) > r.logged_ids:
-            out[r.id] = [r.output_tokens, r.logged_ids, r.gen_token_ids[r.logged_ids :]]
+            record = [r.output_tokens, r.logged_ids, r.gen_token_ids[r.logged_ids :]]
             r.logged_ids = len(r.gen_token_ids)
+            usage = r.usage()
+            if usage != r.logged_usage:
+                r.logged_usage = usage
+                now, wall = session.clock(), time.time()
+                record.append([*usage[:4], _wall(usage[4], now, wall)])
+            out[r.id] = record
     return out
 
 
 def restore_progress(session: Session, record: dict[str, list[Any]]) -> None:
-    for rid, (output_tokens, start, token_ids) in record.items():
+    now, wall = session.clock(), time.time()
+    for rid, (output_tokens, start, token_ids, *usage) in record.items():
         resp = session.responses.get(rid)
         if resp is not None:
             resp.output_tokens = output_tokens
             resp.gen_token_ids = resp.gen_token_ids[:start] + list(token_ids)
+            if usage:
+                input_tokens, cached_tokens, queue_wait_s, cached_response, first = usage[0]
+                resp.input_tokens, resp.cached_tokens = input_tokens, cached_tokens
+                resp.queue_wait_s, resp.cached_response = queue_wait_s, cached_response
+                resp.first_token_at = _monotonic(first, now, wall)
