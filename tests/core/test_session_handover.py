@@ -16,7 +16,8 @@ from tokenwire.core.session import Session
 from tokenwire.engines.base import EngineDelta
 from tokenwire.storage.redis import pack, unpack
 
-from ..helpers.session import begin, call, drive, output, start, types
+from ..helpers.session import begin, call, codes, drive, output, start, types
+from ..helpers.tools import WEATHER
 
 STRUCTURE_FREE = {"response.output_text.delta", "response.function_call_arguments.delta"}
 
@@ -206,3 +207,49 @@ def test_a_takeover_keeps_the_usage_and_timings_logged_after_the_snapshot(
     assert usage.get("cached_response") is True
     assert timings["queue_wait_ms"] == same_timings["queue_wait_ms"] == 500.0
     assert timings["ttft_ms"] == same_timings["ttft_ms"] == 50.0
+
+
+def test_out_of_band_responses_are_the_same_after_a_restore() -> None:
+    """What conversation:"none" responses left (a finished one's call, which
+    retrieve finds and whose late output is refused as response_not_active)
+    and keep private (an active one's input) survive a snapshot unchanged."""
+    s = Session()
+    s.events_to_send()
+    drive(s, {"type": "session.update", "session": {"tools": [WEATHER]}})
+    question = {"type": "message", "role": "user", "content": "Paris"}
+    drive(
+        s,
+        {
+            "type": "response.create",
+            "response": {"conversation": "none", "tool_choice": "required", "input": [question]},
+        },
+    )
+    (gen,) = s.actions_to_perform()
+    events = call(s, gen.request.request_id, 0, "get_weather", '{"city": "Paris"}', "stop")
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    drive(s, {"type": "response.cancel"})
+    private = {"type": "message", "role": "user", "content": "private", "id": "X"}
+    drive(s, {"type": "response.create", "response": {"conversation": "none", "input": [private]}})
+    public = {"type": "message", "role": "user", "content": "public", "id": "X"}
+    drive(s, {"type": "conversation.item.create", "item": public})
+    r = Session.restore(over_the_wire(s))
+
+    def probe(session: Session) -> list[Any]:
+        late = {"type": "function_call_output", "call_id": done["call_id"], "output": "sunny"}
+        retrieve_call = {"type": "conversation.item.retrieve", "item_id": done["item_id"]}
+        (got_x,) = drive(session, {"type": "conversation.item.retrieve", "item_id": "X"})
+        return [
+            codes(drive(session, {"type": "conversation.item.create", "item": late})),
+            types(drive(session, retrieve_call)),
+            got_x["item"]["content"],
+            types(drive(session, {"type": "conversation.item.delete", "item_id": "X"})),
+        ]
+
+    expected = [
+        ["response_not_active"],
+        ["conversation.item.retrieved"],
+        "public",
+        ["conversation.item.deleted"],
+    ]
+    assert probe(s) == expected
+    assert probe(r) == expected

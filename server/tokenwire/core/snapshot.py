@@ -49,12 +49,22 @@ _REQUEST_FIELDS = [f.name for f in fields(GenerationRequest) if f.name != "rende
 def take(session: Session) -> dict[str, Any]:
     """Everything needed to continue `session` elsewhere, JSON-shaped."""
     now, wall = session.clock(), time.time()
+    conv = session.conversation
+    # Items known by id outside the conversation: conversation:"none"
+    # responses' outputs, steers and tool outputs (never their `input`).
+    shared = {id(it) for it in conv.items}
+    active = {id(it) for r in session.active_responses if not r.in_conversation for it in r.context}
+    private = [it for it in conv.by_id.values() if id(it) not in shared]
     return {
         "id": session.id,
         "config": session.config,
         "info": session.info,
-        "items": session.conversation.items,
-        "history_bytes": session.conversation.history_bytes,
+        "items": conv.items,
+        # A finished response's (its calls' late outputs, retrieve), and the
+        # ids of an active one's, which its context carries.
+        "private_items": [it for it in private if id(it) not in active],
+        "private_ids": [it["id"] for it in private if id(it) in active],
+        "history_bytes": conv.history_bytes,
         "client_events": session.client_events,
         "tool_flow": session.lifecycle.tool_flow.value,
         "finished": list(session.lifecycle.finished.items()),
@@ -75,6 +85,9 @@ def restore_into(session: Session, state: dict[str, Any]) -> None:
     conv = session.conversation
     conv.items = state["items"]
     conv.by_id = {it["id"]: it for it in conv.items}
+    conv.by_id.update((it["id"], it) for it in state.get("private_items", ()))
+    # None from an instance before private_ids: every context item, as it did.
+    private_ids = set(state["private_ids"]) if "private_ids" in state else None
     conv.history_bytes = state["history_bytes"]
     session.client_events = state.get("client_events", 0)
     lifecycle = session.lifecycle
@@ -83,7 +96,7 @@ def restore_into(session: Session, state: dict[str, Any]) -> None:
     lifecycle.finished = OrderedDict((rid, status) for rid, status in state["finished"])
     now, wall = session.clock(), time.time()
     for rs in state["responses"]:
-        resp = _restore_response(session, rs, now, wall)
+        resp = _restore_response(session, rs, now, wall, private_ids)
         lifecycle.responses[resp.id] = resp
         if lifecycle.quota is not None:
             lifecycle.quota.acquire_response()  # released when it finishes, like any response
@@ -95,11 +108,14 @@ def restore_into(session: Session, state: dict[str, Any]) -> None:
             lifecycle.calls[cid] = (item, rid, done)
 
 
-def _restore_response(session: Session, rs: dict[str, Any], now: float, wall: float) -> Response:
+def _restore_response(
+    session: Session, rs: dict[str, Any], now: float, wall: float, private_ids: set[str] | None
+) -> Response:
     conv = session.conversation
     context = conv.items if rs["in_conversation"] else rs["context"]
     for item in context:
-        conv.by_id[item["id"]] = item
+        if rs["in_conversation"] or private_ids is None or item["id"] in private_ids:
+            conv.by_id[item["id"]] = item
     by_id = {it["id"]: it for it in context}
     req = rs["gen_request"]
     status = ResponseStatus(rs["status"])
