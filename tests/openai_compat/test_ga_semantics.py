@@ -1,5 +1,6 @@
 """GA semantics the OpenAI dialect owes its clients where tokenwire v1 differs:
-function_call_arguments.done for every call, and wrong-typed values. A real
+previous_item_id "root" and on call outputs, function_call_arguments.done for
+every call, response.cancel without response_id, and wrong-typed values. A real
 Session with the client tool flow (what an OpenAI socket's session gets); every
 frame is checked against the SDK's models (helpers.openai_session)."""
 
@@ -9,10 +10,12 @@ from typing import Any
 
 import pytest
 
+from tokenwire.core.session import Session
 from tokenwire.core.tools import ToolFlow
 from tokenwire.engines.base import EngineDelta, ToolCallDelta
 
 from ..helpers.openai_session import GAHarness, types
+from ..helpers.session import codes, drive
 
 TOOL = {
     "type": "function",
@@ -55,6 +58,69 @@ def tool_round(h: GAHarness) -> dict[str, Any]:
     call = ToolCallDelta(0, "get_weather", '{"city": "Paris"}')
     h.engine(EngineDelta("", 1, "stop", 5, 0, tool_calls=[call]))
     return next(f for f in h.take() if f["type"] == ARGS_DONE)
+
+
+# -- previous_item_id ------------------------------------------------------------
+
+
+def test_previous_item_id_root_inserts_at_the_beginning(h: GAHarness) -> None:
+    h.send(create(message("a", id="a")))
+    h.send(create(message("b", id="b"), previous_item_id="root"))
+    h.send(create(message("c", id="c"), previous_item_id="b"))
+    frames = h.take()
+    assert "error" not in types(frames)
+    added = [f for f in frames if f["type"] == "conversation.item.added"]
+    assert [(f["item"]["id"], f["previous_item_id"]) for f in added] == [
+        ("a", None),
+        ("b", None),
+        ("c", "b"),
+    ]
+    assert ids(h) == ["b", "c", "a"]
+    h.send({"type": "response.create"})
+    prompt = [m["content"] for m in h.session.active_responses[0].gen_request.messages]
+    assert prompt == ["b", "c", "a"]
+
+
+def test_root_stays_an_item_id_in_tokenwire_v1() -> None:
+    s = Session()
+    drive(
+        s,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "a"},
+        },
+    )
+    event = {
+        "type": "conversation.item.create",
+        "previous_item_id": "root",
+        "item": {"type": "message", "role": "user", "content": "b"},
+    }
+    assert codes(drive(s, event)) == ["unknown_item"]
+
+
+def test_a_function_call_output_goes_after_previous_item_id(h: GAHarness) -> None:
+    call = tool_round(h)
+    h.send(create(message("later", id="u2")))
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    h.send(create({**output, "id": "o1"}, previous_item_id=call["item_id"]))
+    h.send(create({**output, "call_id": "call_x", "id": "o2"}, previous_item_id="root"))
+    frames = h.take()
+    added = next(
+        f for f in frames if f["type"] == "conversation.item.added" and f["item"]["id"] == "o1"
+    )
+    assert added["previous_item_id"] == call["item_id"]
+    assert ids(h) == ["u1", call["item_id"], "o1", "u2"]
+    # The output is still checked as a call output: an unknown call is refused.
+    assert [f["error"]["code"] for f in frames if f["type"] == "error"] == ["invalid_value"]
+
+
+def test_a_function_call_output_at_the_root(h: GAHarness) -> None:
+    call = tool_round(h)
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    h.send(create({**output, "id": "o1"}, previous_item_id="root"))
+    (added, _) = h.take()
+    assert added["previous_item_id"] is None
+    assert ids(h) == ["o1", "u1", call["item_id"]]
 
 
 # -- function_call_arguments.done for every call ---------------------------------
@@ -114,6 +180,48 @@ def test_a_call_that_fails_its_schema_is_closed(h: GAHarness) -> None:
     ]
     check_closed_call(frames, "{}", "failed")
     assert "conversation.item.done" in types(frames)  # it stays in the conversation
+
+
+# -- response.cancel without response_id -----------------------------------------
+
+
+def out_of_band(h: GAHarness) -> None:
+    response = {"conversation": "none", "input": [message("q")]}
+    h.send({"type": "response.create", "response": response})
+
+
+def test_cancel_without_an_id_leaves_an_out_of_band_response_alone(h: GAHarness) -> None:
+    out_of_band(h)
+    h.take()
+    h.send({"type": "response.cancel", "event_id": "c1"})
+    (error,) = h.take()
+    assert error["error"]["code"] == "response_cancel_not_active"
+    assert error["error"]["event_id"] == "c1"
+    assert len(h.session.active_responses) == 1
+
+
+def test_cancel_without_an_id_and_two_out_of_band_responses_is_not_active(
+    h: GAHarness,
+) -> None:
+    out_of_band(h)
+    out_of_band(h)
+    h.take()
+    h.send({"type": "response.cancel"})
+    (error,) = h.take()
+    assert error["error"]["code"] == "response_cancel_not_active"
+    assert error["error"]["param"] is None
+    assert len(h.session.active_responses) == 2
+
+
+def test_cancel_without_an_id_cancels_the_conversation_response(h: GAHarness) -> None:
+    out_of_band(h)
+    h.send(create(message("hi")))
+    h.send({"type": "response.create"})
+    h.take()
+    h.send({"type": "response.cancel"})
+    done = h.take()[-1]["response"]
+    assert done["status"] == "cancelled" and done["conversation_id"] is not None
+    assert [r.in_conversation for r in h.session.active_responses] == [False]
 
 
 # -- wrong types -----------------------------------------------------------------

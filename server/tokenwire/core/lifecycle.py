@@ -226,13 +226,10 @@ class Lifecycle:
         return resumed
 
     def close(self) -> None:
+        gone = {"type": "cancelled", "reason": "client_disconnected"}
         for resp in self.active:
             self.abort_current(resp)
-            self.finish(
-                resp,
-                ResponseStatus.CANCELLED,
-                {"type": "cancelled", "reason": "client_disconnected"},
-            )
+            self.finish(resp, ResponseStatus.CANCELLED, dict(gone))
 
     # -- internals: generations ---------------------------------------------
 
@@ -398,7 +395,9 @@ class Lifecycle:
         while len(self.finished) > 256:
             self.finished.popitem(last=False)
 
-    def receive_call_output(self, raw: s.FunctionCallOutputItem, event_id: str | None) -> None:
+    def receive_call_output(
+        self, raw: s.FunctionCallOutputItem, event_id: str | None, after: str | None = None
+    ) -> None:
         conv = self.conversation
         known = self.calls.get(raw.call_id)
         if known is None:
@@ -429,9 +428,8 @@ class Lifecycle:
         conv.check_room(len(raw.output.encode()), event_id)
         conv.add_bytes(raw.output)
         self.calls[raw.call_id] = (call_item, response_id, True)
-        context = resp.context if resp is not None else conv.items
-        previous = context[-1]["id"] if context else None
-        conv.append_to(context, item)
+        # After `after` in the conversation (OpenAI's), else at the history's end.
+        previous = conv.append_to(resp.context if resp is not None else conv.items, item, after)
         self._out.emit(
             {
                 "type": ev.CONVERSATION_ITEM_CREATED,

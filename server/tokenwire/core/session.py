@@ -97,6 +97,10 @@ class Session:
         self.config.update(settings or {})
         self.info = dict(info or {})
         self.conversation = Conversation(self.limits.max_conversation_bytes)
+        # The client flow is OpenAI's, and so is its conversation: previous_item_id
+        # "root" is the start, a call output is placed like any item, and a cancel
+        # without response_id means the conversation's response.
+        self._openai = tool_flow is ToolFlow.CLIENT
         self._out = Outputs()
         self.lifecycle = Lifecycle(
             self.id,
@@ -206,16 +210,17 @@ class Session:
         self._emit({"type": ev.SESSION_UPDATED, "session": self.describe()}, ev_.event_id)
 
     def _on_conversation_item_create(self, ev_: s.ConversationItemCreate) -> None:
-        conv = self.conversation
-        conv.check_previous(ev_.previous_item_id, ev_.event_id)
+        conv, after = self.conversation, ev_.previous_item_id
+        conv.check_previous(after, ev_.event_id, root=self._openai)
         if isinstance(ev_.item, s.FunctionCallOutputItem):
-            self.lifecycle.receive_call_output(ev_.item, ev_.event_id)
+            # tokenwire v1 appends outputs to their response's history (§7).
+            place = after if self._openai else None
+            self.lifecycle.receive_call_output(ev_.item, ev_.event_id, place)
             return
         item = conv.new_item(ev_.item, ev_.event_id)
         conv.check_room(len(ev_.item.content.encode()), ev_.event_id)
         conv.add_bytes(ev_.item.content)
-        previous = ev_.previous_item_id or conv.last_id()
-        conv.insert(item, ev_.previous_item_id)
+        previous = conv.insert(item, after, root=self._openai)
         self._emit_item_created(item, previous, ev_.event_id)
 
     def _on_conversation_item_retrieve(self, ev_: s.ConversationItemRetrieve) -> None:
@@ -290,9 +295,7 @@ class Session:
         conv.history_bytes += size
         if in_conversation:
             for item in inputs:
-                previous = conv.last_id()
-                conv.insert(item)
-                self._emit_item_created(item, previous, None)
+                self._emit_item_created(item, conv.insert(item), None)
         self.lifecycle.add(resp, request)
 
     def _on_response_cancel(self, ev_: s.ResponseCancel) -> None:
@@ -393,6 +396,13 @@ class Session:
         if response_id is None:
             active = self.active_responses
             conv = [r for r in active if r.in_conversation]
+            if self._openai and not conv:  # OpenAI: only the conversation's response
+                raise ProtocolError(
+                    ErrorCode.RESPONSE_NOT_ACTIVE,
+                    f"no active response in the conversation to {verb}; name a "
+                    'conversation:"none" one with response_id',
+                    event_id=event_id,
+                )
             if len(conv) == 1 or len(active) == 1:
                 return conv[0] if conv else active[0]
             if not active:
