@@ -37,6 +37,8 @@ from tokenwire.wire.openai_errors import GACode, OpenAIProtocolError, ga_error, 
 from tokenwire.wire.openai_realtime import OpenAIRealtime, OpenAIRealtimeFamily
 
 from ..helpers.openai_models import CLIENT_TYPES, validate
+from ..helpers.openai_session import GAHarness as Harness
+from ..helpers.openai_session import types
 
 TOOL = {
     "type": "function",
@@ -44,50 +46,6 @@ TOOL = {
     "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
-
-
-class Harness:
-    """A GA client, this dialect and a real core Session, with no I/O."""
-
-    def __init__(self, **dialect: Any) -> None:
-        self.session = Session()
-        self.dialect = OpenAIRealtime("realtime", **dialect)
-        self.seq = 0
-        self.frames: list[dict[str, Any]] = []
-        self.request_id: str | None = None
-
-    def send(self, event: BaseModel | dict[str, Any]) -> None:
-        obj = event.model_dump(exclude_none=True) if isinstance(event, BaseModel) else event
-        try:
-            parsed = self.dialect.parse(json.dumps(obj))
-        except ProtocolError as err:
-            self.session.receive_protocol_error(err)
-        else:
-            self.session.receive_client_event(parsed)
-        self._actions()
-
-    def engine(self, delta: EngineDelta) -> None:
-        assert self.request_id is not None
-        self.session.receive_engine_output(self.request_id, delta)
-        self._actions()
-
-    def _actions(self) -> None:
-        for action in self.session.actions_to_perform():
-            if hasattr(action, "request"):
-                self.request_id = action.request.request_id
-
-    def take(self) -> list[dict[str, Any]]:
-        out = []
-        for event in self.session.events_to_send():
-            self.seq += 1
-            event["seq"] = self.seq
-            out += [validate(frame) for frame in self.dialect.encode_all(event)]
-        self.frames += out
-        return out
-
-
-def types(frames: list[dict[str, Any]]) -> list[str]:
-    return [f["type"] for f in frames]
 
 
 def user_says(text: str) -> ConversationItemCreateEvent:
@@ -217,17 +175,23 @@ def test_cancel_closes_open_items_and_deletes_a_partial_call(h: Harness) -> None
         "response.content_part.done",
         "response.output_item.done",
         "conversation.item.done",
+        "response.function_call_arguments.done",
         "response.output_item.done",
         "conversation.item.deleted",
         "response.done",
     ]
     assert frames[2]["item"]["status"] == "incomplete"
-    assert frames[4]["item"]["status"] == "incomplete"
-    assert frames[4]["item"]["arguments"] == '{"ci'
+    assert frames[4]["arguments"] == '{"ci'
+    assert frames[5]["item"]["status"] == "incomplete"
+    assert frames[5]["item"]["arguments"] == '{"ci'
     done = frames[-1]["response"]
     assert done["status"] == "cancelled"
     assert done["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
-    assert [i["type"] for i in done["output"]] == ["message"]
+    # GA lists every item it announced; the dropped call is incomplete there.
+    assert [(i["type"], i["status"]) for i in done["output"]] == [
+        ("message", "incomplete"),
+        ("function_call", "incomplete"),
+    ]
 
     h.send(ResponseCancelEvent(type="response.cancel", event_id="again"))
     (error,) = h.take()

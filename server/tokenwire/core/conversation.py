@@ -16,6 +16,9 @@ Item = dict[str, Any]
 # memory an empty item holds (measured: 370 bytes), so empty items cannot
 # grow a session without bound.
 ITEM_BYTES = 384
+# OpenAI's previous_item_id for the conversation's start; only sessions that
+# say so (ToolFlow.CLIENT) read it so: in tokenwire v1 it is an item id.
+ROOT = "root"
 
 
 # Response, item and call ids name things inside one session, which holds
@@ -111,7 +114,12 @@ class Conversation:
             )
         return item
 
-    def check_previous(self, previous_item_id: str | None, event_id: str | None) -> None:
+    def check_previous(
+        self, previous_item_id: str | None, event_id: str | None, root: bool = False
+    ) -> None:
+        """`root`: OpenAI's "root", the conversation's start, is a valid place too."""
+        if root and previous_item_id == ROOT:
+            return
         if previous_item_id is not None and not any(
             it["id"] == previous_item_id for it in self.items
         ):
@@ -122,26 +130,32 @@ class Conversation:
                 param="previous_item_id",
             )
 
-    def last_id(self) -> str | None:
-        return self.items[-1]["id"] if self.items else None
-
-    def insert(self, item: Item, previous_item_id: str | None = None) -> None:
+    def insert(
+        self, item: Item, previous_item_id: str | None = None, root: bool = False
+    ) -> str | None:
+        """After `previous_item_id`, at the end if None; with `root`, "root" is
+        the start. Returns the id of the item it now follows (None: the first)."""
         if previous_item_id is None:
-            self.items.append(item)
+            index = len(self.items)
+        elif root and previous_item_id == ROOT:
+            index = 0
         else:
-            index = next(i for i, it in enumerate(self.items) if it["id"] == previous_item_id)
-            self.items.insert(index + 1, item)
+            index = 1 + next(i for i, it in enumerate(self.items) if it["id"] == previous_item_id)
+        self.items.insert(index, item)
         self.by_id[item["id"]] = item
         self.history_bytes += ITEM_BYTES
+        return self.items[index - 1]["id"] if index else None
 
-    def append_to(self, context: list[Item], item: Item) -> None:
-        """Add an item to a response's context: the conversation, or its own list."""
+    def append_to(self, context: list[Item], item: Item, after: str | None = None) -> str | None:
+        """Add an item to a response's context: the conversation (after `after`,
+        "root" read as the start), or its own list. Returns the id it follows."""
         if context is self.items:
-            self.insert(item)
-        else:
-            context.append(item)
-            self.by_id[item["id"]] = item
-            self.history_bytes += ITEM_BYTES
+            return self.insert(item, after, root=True)
+        previous = context[-1]["id"] if context else None
+        context.append(item)
+        self.by_id[item["id"]] = item
+        self.history_bytes += ITEM_BYTES
+        return previous
 
     def remove_from(self, context: list[Item], item: Item) -> None:
         if item in context:

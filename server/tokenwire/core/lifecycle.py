@@ -53,6 +53,39 @@ def error_code(exc: EngineError) -> ErrorCode:
     return ErrorCode.ENGINE_ERROR
 
 
+def _awaited_call(
+    lifecycle: Lifecycle, call_id: str, event_id: str | None
+) -> tuple[Item, str, Response | None]:
+    """The call an output answers: its item, its response's id and, while
+    that is active, the response; else why the output is refused."""
+    known = lifecycle.calls.get(call_id)
+    if known is None:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_CALL_ID,
+            f"no function call {call_id!r} in this session",
+            event_id=event_id,
+            param="item.call_id",
+        )
+    call_item, response_id, answered = known
+    resp = lifecycle.responses.get(response_id)
+    if resp is None and call_item not in lifecycle.conversation.items:
+        raise ProtocolError(
+            ErrorCode.RESPONSE_NOT_ACTIVE,
+            f'call {call_id!r} came from a conversation:"none" response that has '
+            "finished; its output has nowhere to go",
+            event_id=event_id,
+            param="item.call_id",
+        )
+    if answered:
+        raise ProtocolError(
+            ErrorCode.DUPLICATE_CALL_OUTPUT,
+            f"call {call_id!r} already has its output",
+            event_id=event_id,
+            param="item.call_id",
+        )
+    return call_item, response_id, resp
+
+
 class Lifecycle:
     """A session's responses, from response.create to response.done."""
 
@@ -226,13 +259,10 @@ class Lifecycle:
         return resumed
 
     def close(self) -> None:
+        gone = {"type": "cancelled", "reason": "client_disconnected"}
         for resp in self.active:
             self.abort_current(resp)
-            self.finish(
-                resp,
-                ResponseStatus.CANCELLED,
-                {"type": "cancelled", "reason": "client_disconnected"},
-            )
+            self.finish(resp, ResponseStatus.CANCELLED, dict(gone))
 
     # -- internals: generations ---------------------------------------------
 
@@ -403,40 +433,17 @@ class Lifecycle:
         while len(self.finished) > 256:
             self.finished.popitem(last=False)
 
-    def receive_call_output(self, raw: s.FunctionCallOutputItem, event_id: str | None) -> None:
+    def receive_call_output(
+        self, raw: s.FunctionCallOutputItem, event_id: str | None, after: str | None = None
+    ) -> None:
         conv = self.conversation
-        known = self.calls.get(raw.call_id)
-        if known is None:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_CALL_ID,
-                f"no function call {raw.call_id!r} in this session",
-                event_id=event_id,
-                param="item.call_id",
-            )
-        call_item, response_id, answered = known
-        resp = self.responses.get(response_id)
-        if resp is None and call_item not in conv.items:
-            raise ProtocolError(
-                ErrorCode.RESPONSE_NOT_ACTIVE,
-                f'call {raw.call_id!r} came from a conversation:"none" response that has '
-                "finished; its output has nowhere to go",
-                event_id=event_id,
-                param="item.call_id",
-            )
-        if answered:
-            raise ProtocolError(
-                ErrorCode.DUPLICATE_CALL_OUTPUT,
-                f"call {raw.call_id!r} already has its output",
-                event_id=event_id,
-                param="item.call_id",
-            )
+        call_item, response_id, resp = _awaited_call(self, raw.call_id, event_id)
         item = conv.new_item(raw, event_id)
         conv.check_room(len(raw.output.encode()), event_id)
         conv.add_bytes(raw.output)
         self.calls[raw.call_id] = (call_item, response_id, True)
-        context = resp.context if resp is not None else conv.items
-        previous = context[-1]["id"] if context else None
-        conv.append_to(context, item)
+        # After `after` in the conversation (OpenAI's), else at the history's end.
+        previous = conv.append_to(resp.context if resp is not None else conv.items, item, after)
         self._out.emit(
             {
                 "type": ev.CONVERSATION_ITEM_CREATED,

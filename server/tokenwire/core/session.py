@@ -59,6 +59,20 @@ class SessionLimits:
     cache_salt: str | None = None
 
 
+def check_priority(
+    floor: int | None, priority: int | None, event_id: str | None, param: str
+) -> None:
+    """`floor`: the best priority the session's API key may ask for."""
+    if priority is not None and floor is not None and priority < floor:
+        raise ProtocolError(
+            ErrorCode.PRIORITY_NOT_ALLOWED,
+            f"priority {priority} is not allowed for this API key; its best is {floor} "
+            "(a lower value runs first)",
+            event_id=event_id,
+            param=param,
+        )
+
+
 class Session:
     def __init__(
         self,
@@ -98,6 +112,10 @@ class Session:
         self.config.update(settings or {})
         self.info = dict(info or {})
         self.conversation = Conversation(self.limits.max_conversation_bytes)
+        # The client flow is OpenAI's, and so is its conversation: previous_item_id
+        # "root" is the start, a call output is placed like any item, and a cancel
+        # without response_id means the conversation's response.
+        self._openai = tool_flow is ToolFlow.CLIENT
         self._out = Outputs()
         self.lifecycle = Lifecycle(
             self.id,
@@ -202,21 +220,24 @@ class Session:
         tools = update.get("tools", self.config["tools"])
         choice = update.get("tool_choice", self.config["tool_choice"])
         check_tool_choice(choice, tools, ev_.event_id, "session.tool_choice")
-        self._check_priority(update.get("priority"), ev_.event_id, "session.priority")
+        check_priority(
+            self.limits.min_priority, update.get("priority"), ev_.event_id, "session.priority"
+        )
         self.config.update(update)
         self._emit({"type": ev.SESSION_UPDATED, "session": self.describe()}, ev_.event_id)
 
     def _on_conversation_item_create(self, ev_: s.ConversationItemCreate) -> None:
-        conv = self.conversation
-        conv.check_previous(ev_.previous_item_id, ev_.event_id)
+        conv, after = self.conversation, ev_.previous_item_id
+        conv.check_previous(after, ev_.event_id, root=self._openai)
         if isinstance(ev_.item, s.FunctionCallOutputItem):
-            self.lifecycle.receive_call_output(ev_.item, ev_.event_id)
+            # tokenwire v1 appends outputs to their response's history (§7).
+            place = after if self._openai else None
+            self.lifecycle.receive_call_output(ev_.item, ev_.event_id, place)
             return
         item = conv.new_item(ev_.item, ev_.event_id)
         conv.check_room(len(ev_.item.content.encode()), ev_.event_id)
         conv.add_bytes(ev_.item.content)
-        previous = ev_.previous_item_id or conv.last_id()
-        conv.insert(item, ev_.previous_item_id)
+        previous = conv.insert(item, after, root=self._openai)
         self._emit_item_created(item, previous, ev_.event_id)
 
     def _on_conversation_item_retrieve(self, ev_: s.ConversationItemRetrieve) -> None:
@@ -269,7 +290,9 @@ class Session:
             stream_interval=rp.stream_interval,
         )
         check_tool_choice(params["tool_choice"], params["tools"], event_id, "response.tool_choice")
-        self._check_priority(given.get("priority"), event_id, "response.priority")
+        check_priority(
+            self.limits.min_priority, given.get("priority"), event_id, "response.priority"
+        )
         inputs = conv.response_inputs(rp.input, event_id) if rp.input else []
         resp = Response(
             id=new_id("resp"),
@@ -291,9 +314,7 @@ class Session:
         conv.history_bytes += size
         if in_conversation:
             for item in inputs:
-                previous = conv.last_id()
-                conv.insert(item)
-                self._emit_item_created(item, previous, None)
+                self._emit_item_created(item, conv.insert(item), None)
         else:  # the response's own context: counted as inserted ones are
             conv.history_bytes += len(inputs) * ITEM_BYTES
         self.lifecycle.add(resp, request)
@@ -397,6 +418,13 @@ class Session:
         if response_id is None:
             active = self.active_responses
             conv = [r for r in active if r.in_conversation]
+            if self._openai and not conv:  # OpenAI: only the conversation's response
+                raise ProtocolError(
+                    ErrorCode.RESPONSE_NOT_ACTIVE,
+                    f"no active response in the conversation to {verb}; name a "
+                    'conversation:"none" one with response_id',
+                    event_id=event_id,
+                )
             if len(conv) == 1 or len(active) == 1:
                 return conv[0] if conv else active[0]
             if not active:
@@ -427,17 +455,6 @@ class Session:
             event_id=event_id,
             param="response_id",
         )
-
-    def _check_priority(self, priority: int | None, event_id: str | None, param: str) -> None:
-        floor = self.limits.min_priority
-        if priority is not None and floor is not None and priority < floor:
-            raise ProtocolError(
-                ErrorCode.PRIORITY_NOT_ALLOWED,
-                f"priority {priority} is not allowed for this API key; its best is {floor} "
-                "(a lower value runs first)",
-                event_id=event_id,
-                param=param,
-            )
 
     def _emit(self, event: dict[str, Any], event_id: str | None = None) -> None:
         self._out.emit(event, event_id)

@@ -20,7 +20,8 @@ class ToolFlow(StrEnum):
     # (tokenwire v1).
     CONTINUE = "continue"
     # It ends `completed` with the calls in its output; the client sends their
-    # outputs and a response.create for the next response (OpenAI Realtime).
+    # outputs and a response.create for the next response (OpenAI Realtime; the
+    # session's conversation then follows OpenAI's rules too, see Session).
     CLIENT = "client"
 
 

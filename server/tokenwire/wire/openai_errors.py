@@ -195,7 +195,10 @@ def check_settings(
         raise invalid(f"{prefix}output_modalities", why, event_id)
     if raw.get("prompt") is not None:
         raise invalid(f"{prefix}prompt", "stored prompts are not supported", event_id)
-    if raw.get("include"):
+    include = raw.get("include")
+    if include is not None and not isinstance(include, list):
+        raise invalid(f"{prefix}include", f"'{prefix}include' must be an array", event_id)
+    if include:
         raise invalid(f"{prefix}include", f"{TEXT_ONLY}: there is nothing to include", event_id)
     audio = raw.get("audio")
     if audio is not None and (strict_audio or not isinstance(audio, dict)):

@@ -32,9 +32,11 @@ Server events (`encode_all`): one internal event -> GA frames; main one marked *
 - response.requires_action -> response.output_item.done* (+ conversation.item.
   done) for each call: GA has no such state, and the calls are final
 - response.steered -> conversation.item.added*, conversation.item.done
-- response.done -> output_item.done (+ conversation.item.done) for items still
-  open, or conversation.item.deleted for a partial call the core dropped; then
-  response.done*
+- response.done -> for each item still open: function_call_arguments.done for
+  a call that had none (GA sends it for a cancelled, cut or failed call too),
+  output_item.done, conversation.item.done, or conversation.item.deleted for a
+  partial call the core dropped (listed, `incomplete`, in response.done's
+  output all the same); then response.done*
 - error -> error* (GA code and param path)
 Every frame gets `event_id`: `event_<seq>` for the main one and `event_<seq>_<i>`
 for the i-th other, so a replay of the log gives the same ids. tokenwire-only
@@ -69,113 +71,10 @@ from ..core import events as ev
 from ..core.errors import ProtocolError
 from .codec import decode_frame, encode_json
 from .dialect import ToolFlow
-from .openai_errors import (
-    GACode,
-    Refused,
-    check_keys,
-    check_map,
-    check_part,
-    check_settings,
-    ga_error,
-    missing,
-    refuse_event,
-)
+from .openai_errors import GACode, Refused, ga_error, missing, refuse_event
+from .openai_parse import PARSED, parse_event
 
 SUBPROTOCOL = "realtime"
-
-# -- client events: GA -> internal ---------------------------------------------
-
-_SETTINGS = {"instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens"}
-_EXTENSIONS = {"temperature", "priority"}
-_SESSION_PASS = _SETTINGS | _EXTENSIONS | {"tool_timeout_s"}
-_SESSION_DROP = {"type", "model", "tracing", "truncation", "reasoning", "include", "audio"}
-_RESPONSE_PASS = (
-    _SETTINGS
-    | _EXTENSIONS
-    | {"metadata", "conversation", "input", "ignore_eos", "seed", "cache", "stream_interval"}
-)
-_RESPONSE_DROP = {"audio", "reasoning"}
-_CHECKED = {"output_modalities", "prompt"}  # refused unless harmless, then dropped
-_PART_TYPES = {"assistant": {"output_text", "text"}}  # others: input_text
-_ITEM_KEYS = {
-    "message": {"type", "role", "content", "id", "status", "object"},
-    "function_call_output": {"type", "call_id", "output", "id", "status", "object"},
-}
-
-
-def _item(raw: Any, param: str, eid: str | None) -> dict[str, Any]:
-    """A GA item as an internal one: status and object dropped, parts joined."""
-    raw = check_map(raw, param, eid)
-    kind = raw.get("type")
-    if not isinstance(kind, str) or kind not in _ITEM_KEYS:
-        if kind is None:
-            raise missing(f"{param}.type", eid)
-        why = (
-            f"items of type {str(kind)[:64]!r} are not served; send message or function_call_output"
-        )
-        raise Refused(GACode.INVALID_VALUE, why, param=f"{param}.type", event_id=eid)
-    check_keys(raw, _ITEM_KEYS[kind], f"{param}.", eid)
-    out = {k: v for k, v in raw.items() if k not in ("status", "object")}
-    content = out.get("content")
-    if isinstance(content, list):  # a plain string (tokenwire's form) passes as it is
-        allowed = _PART_TYPES.get(str(out.get("role")), {"input_text"})
-        out["content"] = "\n".join(
-            check_part(part, allowed, f"{param}.content[{i}]", eid)
-            for i, part in enumerate(content)
-        )
-    return out
-
-
-def _settings(raw: Any, prefix: str, eid: str | None, strict: bool, kind: str) -> dict[str, Any]:
-    raw = check_map(raw, prefix[:-1], eid)
-    passed, dropped = (
-        (_SESSION_PASS, _SESSION_DROP) if kind == "session" else (_RESPONSE_PASS, _RESPONSE_DROP)
-    )
-    check_keys(raw, passed | dropped | _CHECKED, prefix, eid)
-    check_settings(raw, prefix, eid, strict)
-    out = {k: v for k, v in raw.items() if k in passed and v is not None}  # null: leave as is
-    if isinstance(out.get("input"), list):
-        out["input"] = [_item(it, f"response.input[{i}]", eid) for i, it in enumerate(out["input"])]
-    return out
-
-
-def _parse_event(obj: dict[str, Any], eid: str | None, strict: bool) -> dict[str, Any]:
-    kind = obj["type"]
-    out: dict[str, Any] = {"type": kind}
-    if kind == ev.SESSION_UPDATE:
-        check_keys(obj, {"type", "event_id", "session"}, "", eid)
-        if "session" not in obj:
-            raise missing("session", eid)
-        out["session"] = _settings(obj["session"], "session.", eid, strict, "session")
-    elif kind == ev.RESPONSE_CREATE:
-        check_keys(obj, {"type", "event_id", "response"}, "", eid)
-        out["response"] = _settings(obj.get("response") or {}, "response.", eid, strict, "response")
-    elif kind == ev.CONVERSATION_ITEM_CREATE:
-        check_keys(obj, {"type", "event_id", "item", "previous_item_id"}, "", eid)
-        if "item" not in obj:
-            raise missing("item", eid)
-        out["item"] = _item(obj["item"], "item", eid)
-        if obj.get("previous_item_id") is not None:
-            out["previous_item_id"] = obj["previous_item_id"]
-    else:  # response.cancel, conversation.item.retrieve / delete
-        key = "response_id" if kind == ev.RESPONSE_CANCEL else "item_id"
-        check_keys(obj, {"type", "event_id", key}, "", eid)
-        out.update((k, v) for k, v in obj.items() if k == key and v is not None)
-    if "event_id" in obj:
-        out["event_id"] = obj["event_id"]
-    return out
-
-
-_PARSED = frozenset(
-    {
-        ev.SESSION_UPDATE,
-        ev.RESPONSE_CREATE,
-        ev.CONVERSATION_ITEM_CREATE,
-        ev.CONVERSATION_ITEM_RETRIEVE,
-        ev.CONVERSATION_ITEM_DELETE,
-        ev.RESPONSE_CANCEL,
-    }
-)
 
 # -- server events: internal -> GA ---------------------------------------------
 
@@ -287,6 +186,7 @@ class _Out:
     call_id: str = ""
     name: str = ""
     arguments: str = ""
+    args_done: bool = False  # response.function_call_arguments.done sent
     text: str | None = None  # from output_text.done
 
 
@@ -335,9 +235,9 @@ class OpenAIRealtime:
         kind = obj.get("type")
         if kind is None:
             raise missing("type", eid)
-        if not isinstance(kind, str) or kind not in _PARSED:
+        if not isinstance(kind, str) or kind not in PARSED:
             raise refuse_event(kind, eid)
-        return _parse_event(obj, eid, self.strict_audio)
+        return parse_event(obj, eid, self.strict_audio)
 
     # -- server events -----------------------------------------------------------
 
@@ -526,6 +426,7 @@ class OpenAIRealtime:
         self._close_text(self._resp(event["response_id"]), "completed", frames)
         out = self._out(event, "function_call", frames)
         out.arguments, out.name = event["arguments"], event.get("name", out.name)
+        out.args_done = True
         at = {**self._at(out), "item_id": event["item_id"], "call_id": out.call_id}
         kind = "response.function_call_arguments.done"
         frames.append(_frame(kind, **at, name=out.name, arguments=out.arguments))
@@ -555,14 +456,34 @@ class OpenAIRealtime:
         resp = self._resp(core["id"])
         output = {item["id"]: item for item in core.get("output", ())}
         self._close_text(resp, "incomplete", frames, output)
+        dropped: dict[str, dict[str, Any]] = {}
         for item_id in resp.items:
-            if item_id not in self._items:
+            out = self._items.get(item_id)
+            if out is None:
                 continue
-            self._item_done(item_id, output.get(item_id), "incomplete", frames)
-            if item_id not in output and resp.in_conversation:
-                # A partial call the core dropped: it leaves the conversation.
+            item = output.get(item_id)
+            if item is None and out.kind == "function_call":
+                # A partial call the core dropped: GA lists every item it announced.
+                item = dropped[item_id] = {
+                    "id": item_id,
+                    "type": "function_call",
+                    **{"call_id": out.call_id, "name": out.name, "arguments": out.arguments},
+                    "status": "incomplete",
+                }
+            if out.kind == "function_call" and not out.args_done:
+                # GA closes the arguments of a cancelled, cut or failed call too.
+                at = {**self._at(out), "item_id": item_id, "call_id": out.call_id}
+                args = item["arguments"] if item is not None else out.arguments
+                kind = "response.function_call_arguments.done"
+                frames.append(_frame(kind, **at, name=out.name, arguments=args))
+            self._item_done(item_id, item, "incomplete", frames)
+            if item_id in dropped and resp.in_conversation:  # it leaves the conversation
                 frames[-1] = _frame("conversation.item.deleted", item_id=item_id)
         del self._responses[core["id"]]
+        if dropped:  # in output_index order
+            every = {**output, **dropped}
+            listed = [every.pop(i) for i in resp.items if i in every]
+            core = {**core, "output": listed + list(every.values())}
         frames.append(_frame("response.done", response=ga_response(core, self._conversation_id)))
         return frames, len(frames) - 1
 

@@ -1,0 +1,250 @@
+"""GA semantics the OpenAI dialect owes its clients where tokenwire v1 differs:
+previous_item_id "root" and on call outputs, function_call_arguments.done for
+every call, response.cancel without response_id, and wrong-typed values. A real
+Session with the client tool flow (what an OpenAI socket's session gets); every
+frame is checked against the SDK's models (helpers.openai_session)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tokenwire.core.session import Session
+from tokenwire.core.tools import ToolFlow
+from tokenwire.engines.base import EngineDelta, ToolCallDelta
+
+from ..helpers.openai_session import GAHarness, types
+from ..helpers.session import codes, drive
+
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+ARGS_DONE = "response.function_call_arguments.done"
+
+
+def message(text: str, **item: Any) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": text}],
+        **item,
+    }
+
+
+def create(item: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"type": "conversation.item.create", "item": item, **fields}
+
+
+@pytest.fixture
+def h() -> GAHarness:
+    h = GAHarness(ToolFlow.CLIENT)
+    h.take()
+    return h
+
+
+def ids(h: GAHarness) -> list[str]:
+    return [item["id"] for item in h.session.items]
+
+
+def tool_round(h: GAHarness) -> dict[str, Any]:
+    """u1, then a response that calls get_weather: its arguments.done frame."""
+    h.send({"type": "session.update", "session": {"type": "realtime", "tools": [TOOL]}})
+    h.send(create(message("Weather?", id="u1")))
+    h.send({"type": "response.create"})
+    call = ToolCallDelta(0, "get_weather", '{"city": "Paris"}')
+    h.engine(EngineDelta("", 1, "stop", 5, 0, tool_calls=[call]))
+    return next(f for f in h.take() if f["type"] == ARGS_DONE)
+
+
+# -- previous_item_id ------------------------------------------------------------
+
+
+def test_previous_item_id_root_inserts_at_the_beginning(h: GAHarness) -> None:
+    h.send(create(message("a", id="a")))
+    h.send(create(message("b", id="b"), previous_item_id="root"))
+    h.send(create(message("c", id="c"), previous_item_id="b"))
+    frames = h.take()
+    assert "error" not in types(frames)
+    added = [f for f in frames if f["type"] == "conversation.item.added"]
+    assert [(f["item"]["id"], f["previous_item_id"]) for f in added] == [
+        ("a", None),
+        ("b", None),
+        ("c", "b"),
+    ]
+    assert ids(h) == ["b", "c", "a"]
+    h.send({"type": "response.create"})
+    prompt = [m["content"] for m in h.session.active_responses[0].gen_request.messages]
+    assert prompt == ["b", "c", "a"]
+
+
+def test_root_stays_an_item_id_in_tokenwire_v1() -> None:
+    s = Session()
+    drive(
+        s,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "a"},
+        },
+    )
+    event = {
+        "type": "conversation.item.create",
+        "previous_item_id": "root",
+        "item": {"type": "message", "role": "user", "content": "b"},
+    }
+    assert codes(drive(s, event)) == ["unknown_item"]
+
+
+def test_a_function_call_output_goes_after_previous_item_id(h: GAHarness) -> None:
+    call = tool_round(h)
+    h.send(create(message("later", id="u2")))
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    h.send(create({**output, "id": "o1"}, previous_item_id=call["item_id"]))
+    h.send(create({**output, "call_id": "call_x", "id": "o2"}, previous_item_id="root"))
+    frames = h.take()
+    added = next(
+        f for f in frames if f["type"] == "conversation.item.added" and f["item"]["id"] == "o1"
+    )
+    assert added["previous_item_id"] == call["item_id"]
+    assert ids(h) == ["u1", call["item_id"], "o1", "u2"]
+    # The output is still checked as a call output: an unknown call is refused.
+    assert [f["error"]["code"] for f in frames if f["type"] == "error"] == ["invalid_value"]
+
+
+def test_a_function_call_output_at_the_root(h: GAHarness) -> None:
+    call = tool_round(h)
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    h.send(create({**output, "id": "o1"}, previous_item_id="root"))
+    (added, _) = h.take()
+    assert added["previous_item_id"] is None
+    assert ids(h) == ["o1", "u1", call["item_id"]]
+
+
+# -- function_call_arguments.done for every call ---------------------------------
+
+
+def open_call(h: GAHarness, arguments: str, finish: str | None) -> None:
+    """A required city; the model writes `arguments` and the generation ends with `finish`."""
+    tool = {**TOOL, "parameters": {"type": "object", "required": ["city"]}}
+    h.send({"type": "session.update", "session": {"type": "realtime", "tools": [tool]}})
+    h.send(create(message("Weather?")))
+    h.send({"type": "response.create"})
+    call = ToolCallDelta(0, "get_weather", arguments)
+    h.engine(EngineDelta("", 1, finish, 5, 0, tool_calls=[call]))
+
+
+def check_closed_call(frames: list[dict[str, Any]], arguments: str, status: str) -> None:
+    """The call's arguments.done, then its output_item.done, then response.done
+    with the call in `output`."""
+    kinds = types(frames)
+    assert kinds.count(ARGS_DONE) == 1
+    args = frames[kinds.index(ARGS_DONE)]
+    assert args["arguments"] == arguments and args["name"] == "get_weather"
+    item_done = frames[kinds.index("response.output_item.done")]
+    assert kinds.index(ARGS_DONE) < kinds.index("response.output_item.done")
+    assert item_done["item"]["id"] == args["item_id"]
+    assert item_done["item"]["status"] == "incomplete"
+    done = frames[-1]["response"]
+    assert done["status"] == status
+    assert [(i["id"], i["arguments"], i["status"]) for i in done["output"]] == [
+        (args["item_id"], arguments, "incomplete")
+    ]
+
+
+def test_a_call_cancelled_mid_arguments_is_closed_and_listed(h: GAHarness) -> None:
+    open_call(h, '{"ci', None)
+    h.take()
+    h.send({"type": "response.cancel"})
+    frames = h.take()
+    check_closed_call(frames, '{"ci', "cancelled")
+    # The core dropped it from the conversation: GA hears that too.
+    assert "conversation.item.deleted" in types(frames)
+    assert h.session.items[-1]["type"] == "message"
+
+
+def test_a_call_cut_by_max_output_tokens_is_closed_and_listed(h: GAHarness) -> None:
+    open_call(h, '{"ci', "length")
+    frames = h.take()
+    check_closed_call(frames, '{"ci', "incomplete")
+    assert frames[-1]["response"]["status_details"]["reason"] == "max_output_tokens"
+
+
+def test_a_call_that_fails_its_schema_is_closed(h: GAHarness) -> None:
+    open_call(h, "{}", "stop")
+    frames = h.take()
+    assert [f["error"]["code"] for f in frames if f["type"] == "error"] == [
+        "invalid_tool_arguments"
+    ]
+    check_closed_call(frames, "{}", "failed")
+    assert "conversation.item.done" in types(frames)  # it stays in the conversation
+
+
+# -- response.cancel without response_id -----------------------------------------
+
+
+def out_of_band(h: GAHarness) -> None:
+    response = {"conversation": "none", "input": [message("q")]}
+    h.send({"type": "response.create", "response": response})
+
+
+def test_cancel_without_an_id_leaves_an_out_of_band_response_alone(h: GAHarness) -> None:
+    out_of_band(h)
+    h.take()
+    h.send({"type": "response.cancel", "event_id": "c1"})
+    (error,) = h.take()
+    assert error["error"]["code"] == "response_cancel_not_active"
+    assert error["error"]["event_id"] == "c1"
+    assert len(h.session.active_responses) == 1
+
+
+def test_cancel_without_an_id_and_two_out_of_band_responses_is_not_active(
+    h: GAHarness,
+) -> None:
+    out_of_band(h)
+    out_of_band(h)
+    h.take()
+    h.send({"type": "response.cancel"})
+    (error,) = h.take()
+    assert error["error"]["code"] == "response_cancel_not_active"
+    assert error["error"]["param"] is None
+    assert len(h.session.active_responses) == 2
+
+
+def test_cancel_without_an_id_cancels_the_conversation_response(h: GAHarness) -> None:
+    out_of_band(h)
+    h.send(create(message("hi")))
+    h.send({"type": "response.create"})
+    h.take()
+    h.send({"type": "response.cancel"})
+    done = h.take()[-1]["response"]
+    assert done["status"] == "cancelled" and done["conversation_id"] is not None
+    assert [r.in_conversation for r in h.session.active_responses] == [False]
+
+
+# -- wrong types -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [[], 0, False, "", "x", 1])
+def test_a_response_that_is_not_an_object_is_refused(h: GAHarness, bad: Any) -> None:
+    h.send({"type": "response.create", "response": bad})
+    (error,) = h.take()
+    assert (error["error"]["code"], error["error"]["param"]) == ("invalid_value", "response")
+    assert h.session.active_responses == []
+
+
+@pytest.mark.parametrize("bad", [0, "", {}, False, "x", {"a": 1}])
+def test_include_that_is_not_an_array_is_refused(h: GAHarness, bad: Any) -> None:
+    h.send({"type": "session.update", "session": {"type": "realtime", "include": bad}})
+    (error,) = h.take()
+    assert (error["error"]["code"], error["error"]["param"]) == ("invalid_value", "session.include")
+
+
+def test_an_empty_include_and_a_null_response_pass(h: GAHarness) -> None:
+    h.send({"type": "session.update", "session": {"type": "realtime", "include": []}})
+    h.send(create(message("hi")))
+    h.send({"type": "response.create", "response": None})
+    assert "error" not in types(h.take())
+    assert len(h.session.active_responses) == 1
