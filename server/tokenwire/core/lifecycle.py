@@ -19,6 +19,7 @@ from ..engines.base import (
     EngineError,
     EngineUnavailable,
     GenerationRequest,
+    RequestError,
     ToolCallDelta,
 )
 from . import events as ev
@@ -298,7 +299,11 @@ class Lifecycle:
         try:
             rendered = self._preflight(request)
         except EngineError as exc:
-            raise ProtocolError(error_code(exc), exc.message, event_id=event_id) from None
+            # Refused before any engine work: the conversation cannot run as it is.
+            code = error_code(exc)
+            if type(exc) is RequestError:
+                code = ErrorCode.INVALID_STATE
+            raise ProtocolError(code, exc.message, event_id=event_id) from None
         return request if rendered is None else replace(request, rendered=rendered)
 
     def start_generation(

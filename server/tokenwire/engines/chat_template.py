@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .base import ContextLengthExceeded, GenerationRequest
+from .base import ContextLengthExceeded, GenerationRequest, RequestError
 
 
 class ChatTemplate:
@@ -46,14 +46,23 @@ class ChatTemplate:
         return out
 
     def text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        return str(
-            self.tokenizer.apply_chat_template(
-                self.template_messages(messages),
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=True,
+        from jinja2 import TemplateError
+
+        try:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    self.template_messages(messages),
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
             )
-        )
+        except TemplateError as exc:
+            # Templates refuse shapes the model was not trained on (roles that
+            # do not alternate, a system turn): the conversation's, not ours.
+            raise RequestError(
+                f"the model's chat template refused the conversation: {exc}"
+            ) from None
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

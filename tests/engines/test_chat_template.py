@@ -1,0 +1,55 @@
+"""What a chat template that refuses a conversation becomes for the client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenwire.core.session import Session
+from tokenwire.engines.chat_template import ChatTemplate
+from tokenwire.models import prepare_default_model
+
+from ..helpers.session import codes, drive
+
+# Strict templates (Mistral's, Gemma's) refuse roles that do not alternate
+# this way, through the raise_exception HF gives every template.
+STRICT = (
+    "{% for m in messages %}"
+    "{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_refuses_the_conversation_is_an_error_event() -> None:
+    """SmolLM2's real tokenizer, with a strict template: a refused conversation
+    is answered with invalid_state and the session goes on."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+    tokenizer.chat_template = STRICT
+    template = ChatTemplate(tokenizer)
+
+    def preflight(request: Any) -> tuple[int, ...]:
+        return tuple(template.prompt_ids(request, 2048))
+
+    s = Session(preflight=preflight)
+    s.events_to_send()
+    for text in ("Hello", "Are you there?"):
+        item = {"type": "message", "role": "user", "content": text}
+        drive(s, {"type": "conversation.item.create", "item": item})
+    events = drive(s, {"type": "response.create", "event_id": "r"})
+    assert codes(events) == ["invalid_state"]
+    assert events[0]["error"]["event_id"] == "r"
+    assert "roles must alternate" in events[0]["error"]["message"]
+    assert s.actions_to_perform() == []
+    # Fixed by the client (the second question deleted), the same session answers.
+    drive(s, {"type": "conversation.item.delete", "item_id": s.items[-1]["id"]})
+    (created,) = drive(s, {"type": "response.create"})
+    assert created["type"] == "response.created"
+    (start,) = s.actions_to_perform()
+    assert start.request.rendered == tuple(
+        tokenizer.encode(
+            "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+        )
+    )
