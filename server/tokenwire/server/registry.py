@@ -69,7 +69,12 @@ class Registry:
         self.sessions[runtime.session.id] = runtime
         usage.sessions += 1
         if self.store is not None and restored is None:
-            await self.store.register(runtime.session.id, usage.key_id)
+            try:
+                await self.store.register(runtime.session.id, usage.key_id)
+            except Exception:
+                # Redis failed us: nothing of this session may stay behind.
+                await self.end_session(runtime)
+                raise
         return runtime
 
     async def find_session(
