@@ -277,12 +277,11 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """A real redis-server (the Debian package `make test` installs) on a free port."""
+def start_redis(port: int) -> subprocess.Popen:
+    """A real redis-server (the Debian package `make test` installs) on `port`,
+    answering PING."""
     binary = shutil.which("redis-server")
     assert binary, "redis-server is missing: run `make test`, which installs it"
-    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
@@ -300,6 +299,19 @@ def redis_server() -> Iterator[RedisServer]:
                 pass
             assert time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server on a free port, for the whole run."""
+    port = free_port()
+    proc = start_redis(port)
+    try:
         yield RedisServer(proc, port)
     finally:
         proc.terminate()

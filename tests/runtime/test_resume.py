@@ -7,13 +7,16 @@ import random
 from collections.abc import AsyncIterator
 
 import pytest
+from websockets.exceptions import ConnectionClosed
 
 from tokenwire.config import ServerConfig
 from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.runtime.session_runtime import RuntimeState, SessionRuntime
 from tokenwire.server import TokenwireServer
 
 from ..conftest import RunningServer
-from ..helpers.wire import expected, resume, start_stream
+from ..helpers.wait import until
+from ..helpers.wire import Wire, expected, resume, start_stream
 
 
 @pytest.fixture
@@ -171,3 +174,50 @@ async def test_resume_while_the_old_socket_looks_alive(server: RunningServer) ->
             break
     assert text_seqs == list(range(last + 1, last + 1 + len(text_seqs)))
     await new.ws.close()
+
+
+async def test_two_resumes_at_once_attach_one_socket(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both resumes drop the half-open old socket and wait for it to detach;
+    the first to take the session wins, the other is closed: one socket per
+    session, always."""
+    patient(server)
+    wire, sid = await start_stream(server.url, 10**6)
+    last = 0
+    for _ in range(5):
+        last = (await wire.recv())["seq"]
+    target = server.server.sessions[sid]
+    gate = asyncio.Event()
+    detach = SessionRuntime.detach
+
+    async def held_detach(self: SessionRuntime, outcome: object) -> None:
+        if self is target:
+            await gate.wait()  # the old socket's detach waits until both resumes do
+        await detach(self, outcome)
+
+    monkeypatch.setattr(SessionRuntime, "detach", held_detach)
+    (b, _), (c, _) = await asyncio.gather(
+        resume(server.url, sid, last), resume(server.url, sid, last)
+    )
+    await until(lambda: len(target.detached._waiters) == 2, "both resumes wait")  # type: ignore[attr-defined]
+    gate.set()
+
+    async def outcome(w: Wire) -> str:
+        try:
+            while (await w.recv())["type"] != "session.resumed":
+                pass
+        except ConnectionClosed as exc:
+            assert exc.rcvd is not None
+            return f"{exc.rcvd.code} {exc.rcvd.reason}"
+        return "resumed"
+
+    results = await asyncio.gather(outcome(b), outcome(c))
+    assert sorted(results) == ["1011 the session was resumed on another connection", "resumed"]
+    winner = b if results[0] == "resumed" else c
+    assert target.state is RuntimeState.ATTACHED
+    # The session goes on, on the winner's socket only.
+    seq = (await winner.recv())["seq"]
+    assert seq > last
+    assert target.ws is not None and target.ws.remote_address[1] == winner.ws.local_address[1]
+    winner.ws.transport.abort()

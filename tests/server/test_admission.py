@@ -113,3 +113,84 @@ async def test_each_keys_requests_carry_its_cache_salt() -> None:
     finally:
         await server.close()
     assert seen == [("key-a", "tenant-a"), ("key-b", "tenant-b"), ("key-c", None)]
+
+
+def test_a_keys_record_outlives_its_sockets_while_it_holds_anything() -> None:
+    """Reconnecting must not reset a key's limits: its record stays while a
+    session (awaiting a resume too) holds it, or its token bucket is in debt."""
+    from tokenwire.core.limits import TokenBucket
+
+    limiter = Limiter(8, 10.0)
+    usage = limiter.usage("k")
+    usage.sessions = 1  # a session awaiting its resume
+    limiter.forget_idle("k")
+    assert limiter.usage("k") is usage
+    usage.sessions = 0
+    now = [0.0]
+    usage.tokens = TokenBucket(10.0, 20.0, clock=lambda: now[0])
+    usage.spend_tokens(100)  # 8 s of debt at 10 tokens/s
+    limiter.forget_idle("k")
+    assert limiter.usage("k") is usage
+    assert not usage.tokens.ready()
+    now[0] = 100.0  # paid back, and full again: a fresh record is the same
+    limiter.forget_idle("k")
+    assert "k" not in limiter.keys
+
+
+async def test_a_session_awaiting_resume_shares_its_keys_response_limit() -> None:
+    import asyncio
+    import json
+
+    from websockets.asyncio.client import ClientConnection
+    from websockets.asyncio.client import connect as ws_connect
+
+    from tokenwire.config import ServerConfig
+
+    from ..conftest import _scripted_server
+    from ..helpers.wait import until
+
+    key = "tw-test-key-0123456789"
+    config = ServerConfig(
+        engine="scripted",
+        port=0,
+        scripted_tokens_per_s=50,
+        api_keys=key,
+        max_responses_per_key=1,
+        resume_grace_s=60,
+        max_events_per_s=0,
+    )
+    long = {"type": "response.create", "response": {"ignore_eos": True, "max_output_tokens": 10**6}}
+
+    async def open_ws() -> ClientConnection:
+        return await ws_connect(
+            running.url,
+            subprotocols=["tokenwire.v1.json"],
+            additional_headers={"Authorization": f"Bearer {key}"},
+        )
+
+    async def reply(ws: ClientConnection) -> dict:
+        while True:
+            event = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            if event["type"] in ("response.created", "error", "session.resumed"):
+                return event
+
+    async with _scripted_server(config) as running:
+        server = running.server
+        a = await open_ws()
+        s1 = json.loads(await a.recv())["session"]["id"]
+        a.transport.abort()
+        await until(lambda: server.health()["connections"] == 0, "the drop is seen")
+        b = await open_ws()
+        await b.recv()
+        await b.send(json.dumps(long))
+        assert (await reply(b))["type"] == "response.created"  # the key's one response
+        c = await open_ws()
+        await c.recv()
+        await c.send(json.dumps({"type": "session.resume", "session_id": s1, "last_seq": 1}))
+        assert (await reply(c))["type"] == "session.resumed"
+        await c.send(json.dumps(long))
+        refused = await reply(c)
+        assert refused["type"] == "error" and refused["error"]["code"] == "too_many_responses"
+        assert server.registry.busy() == 1
+        for ws in (b, c):
+            ws.transport.abort()

@@ -34,6 +34,11 @@ class TokenBucket:
         self._refill()
         self.level -= n
 
+    def full(self) -> bool:
+        """Nothing spent that has not been paid back: a new bucket is the same."""
+        self._refill()
+        return self.level >= self.burst
+
     def ready(self) -> bool:
         self._refill()
         return self.level > 0

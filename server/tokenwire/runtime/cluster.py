@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ..logs import get_logger
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
 from .session_runtime import GONE, RuntimeState, SessionRuntime
+
+log = get_logger("tokenwire.cluster")
 
 
 def receive_forwarded(rt: SessionRuntime, op: str, data: Any, follower: str) -> None:
@@ -68,3 +71,40 @@ async def hand_over(rt: SessionRuntime) -> None:
     await rt.delivery.close_socket(CLOSE_SERVICE_RESTART, "draining; resume the session")
     rt.detached.set()
     rt.log.info("session_handed_over", last_seq=rt.delivery.logged_seq)
+
+
+async def hand_over_all(runtimes: list[SessionRuntime], timeout_s: float) -> list[str]:
+    """Drain: hand every session over, within `timeout_s` (a Redis that does
+    not answer must not hold the shutdown). Returns the ids of those that were
+    not: they stop here, their log left in Redis as it is."""
+    tasks = {asyncio.create_task(hand_over(rt)): rt for rt in runtimes}
+    if not tasks:
+        return []
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=1)  # bounded: a cancel may land late
+    failed = [tasks[t] for t in pending]
+    failed += [tasks[t] for t in done if t.exception() is not None]
+    for rt in failed:
+        await abandon(rt)
+    ids = [rt.session.id for rt in failed]
+    if ids:
+        log.warning("hand_over_failed", session_ids=ids, timeout_s=timeout_s)
+    return ids
+
+
+async def abandon(rt: SessionRuntime) -> None:
+    """A hand-over that did not finish: stop here without ending the session.
+    What Redis already holds of it (everything its client was sent) stays
+    for another instance to take over, as after a crash of this one."""
+    if rt.state is RuntimeState.ENDED:
+        return
+    rt.state = RuntimeState.HANDED_OVER
+    rt.cancel_timers()
+    rt.session.abandon()
+    rt.pump()
+    await rt.delivery.stop()  # a flush still retrying gives up
+    await rt.delivery.close_socket(CLOSE_SERVICE_RESTART, "draining; resume the session")
+    rt.detached.set()

@@ -204,6 +204,7 @@ class KeyUsage:
     tokens: TokenBucket | None
     connections: int = 0
     responses: int = 0
+    sessions: int = 0  # live sessions, attached or awaiting a resume (server.registry)
     min_priority: int | None = None  # see KeyStore.min_priority
     cache_salt: str | None = None  # see KeyStore.cache_salt
 
@@ -261,8 +262,17 @@ class Limiter:
         return usage
 
     def forget_idle(self, key_id: str) -> None:
+        """Drop a key's record once a fresh one would be the same: no socket,
+        no session (one awaiting a resume holds it too: its key's sessions
+        share one record) and no token debt (else reconnecting forgives it)."""
         usage = self.keys.get(key_id)
-        if usage is not None and usage.connections == 0 and usage.responses == 0:
+        if (
+            usage is not None
+            and usage.connections == 0
+            and usage.responses == 0
+            and usage.sessions == 0
+            and (usage.tokens is None or usage.tokens.full())
+        ):
             del self.keys[key_id]
 
 

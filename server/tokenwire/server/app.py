@@ -12,6 +12,7 @@ from collections.abc import Awaitable
 from http import HTTPStatus
 from typing import Any
 
+from redis.exceptions import RedisError
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
@@ -23,10 +24,11 @@ from ..runtime import cluster
 from ..runtime.follower import Follower
 from ..runtime.session_runtime import GONE, RuntimeState, SessionRuntime
 from ..runtime.socket import ClientSocket, Handoff, Outcome
+from ..runtime.ws import close_or_abort
 from ..stages import build_stages
 from ..storage.redis import RedisStore
 from ..wire import dialect_for, select_subprotocol
-from ..wire.close_codes import CLOSE_TRY_AGAIN_LATER
+from ..wire.close_codes import CLOSE_TRY_AGAIN_LATER, STORE_UNAVAILABLE
 from .admission import Admission
 from .body import BodyConnection, BodyError
 from .client_secrets import ClientSecrets
@@ -213,13 +215,25 @@ class TokenwireServer:
             await ws.close(CLOSE_TRY_AGAIN_LATER, "too_many_connections")
             return
         usage, settings = admitted
-        dialect = dialect_for(ws.subprotocol)
-        runtime: SessionRuntime | Follower = await self.registry.new_session(
-            usage, ws.subprotocol, settings=settings
-        )
-        resume_from: int | None = None
         if self.heartbeat is not None:
             self.heartbeat.add(ws)
+        try:
+            try:
+                # The registry leaves nothing behind if this fails.
+                runtime = await self.registry.new_session(usage, ws.subprotocol, settings=settings)
+            except Exception as exc:
+                await _failed(ws, exc)
+                return
+            await self._run(ws, runtime)
+        finally:
+            self.admission.disconnect(usage)
+            if self.heartbeat is not None:
+                self.heartbeat.discard(ws)
+
+    async def _run(self, ws: ServerConnection, runtime: SessionRuntime | Follower) -> None:
+        """Serve the socket's sessions (its own, then any it resumes) until it closes."""
+        dialect = dialect_for(ws.subprotocol)
+        resume_from: int | None = None
         try:
             while True:
                 outcome = await self._serve(ws, dialect, runtime, resume_from)
@@ -229,23 +243,27 @@ class TokenwireServer:
                     # The socket resumes another session; the fresh one never ran.
                     await self.registry.end_session(runtime)
                 runtime, resume_from = outcome.target, outcome.last_seq
-                if isinstance(runtime, SessionRuntime):
-                    if runtime.state is RuntimeState.ATTACHED and runtime.ws is not None:
-                        runtime.ws.transport.abort()  # its old socket is dead but did not know
-                    await runtime.detached.wait()
-                    if runtime.state in GONE:
-                        await ws.close(1011, "the session ended while resuming")
-                        return
-            if isinstance(runtime, SessionRuntime):
-                if outcome == "lost" and self.config.resume_grace_s > 0 and not self.draining:
-                    # Keep it for a resume; its generations go on meanwhile.
-                    self.registry.arm_expiry(runtime)
-                elif runtime.state is not RuntimeState.HANDED_OVER:
-                    await self.registry.end_session(runtime)
-        finally:
-            self.admission.disconnect(usage)
-            if self.heartbeat is not None:
-                self.heartbeat.discard(ws)
+                if isinstance(runtime, SessionRuntime) and not await _take(ws, runtime):
+                    return
+        except Exception as exc:
+            await _failed(ws, exc)
+            if isinstance(runtime, SessionRuntime) and runtime.state in _OURS:
+                # A session its client never used (a failed resume's fresh one) ends.
+                await self._release(runtime, "lost" if runtime.session.client_events else "ended")
+            return
+        if isinstance(runtime, SessionRuntime):
+            await self._release(runtime, outcome)
+
+    async def _release(self, runtime: SessionRuntime, outcome: Outcome) -> None:
+        """Its socket is gone: keep the session for a resume, or end it."""
+        if outcome == "lost" and self.config.resume_grace_s > 0:
+            if self.draining and self.store is not None:
+                return  # the drain hands it over (protocol.md: every session)
+            if not self.draining:
+                self.registry.arm_expiry(runtime)  # its generations go on meanwhile
+                return
+        if runtime.state is not RuntimeState.HANDED_OVER:
+            await self.registry.end_session(runtime)
 
     async def _serve(
         self,
@@ -370,14 +388,16 @@ class TokenwireServer:
             busy = self.registry.busy()
         runtimes = list(self.sessions.values())
         await asyncio.gather(*(f.close() for f in list(self.followers)))
+        failed: list[str] = []
         if self.store is not None:
-            # Concurrently: each waits up to a few seconds for its socket.
-            await asyncio.gather(*(cluster.hand_over(r) for r in runtimes), return_exceptions=True)
+            # Concurrently, and bounded: Redis may not answer.
+            failed = await cluster.hand_over_all(runtimes, self.config.drain_timeout_s)
         for runtime in runtimes:
             await self.registry.end_session(runtime)
         if self.store is not None:
             await self.store.release()  # no lease: the others may take over now
-        log.info("drained", handed_over=busy if self.store is not None else 0)
+        handed = len(runtimes) - len(failed) if self.store is not None else 0
+        log.info("drained", handed_over=handed, not_handed_over=len(failed))
 
     async def close(self) -> None:
         if self._server is not None:
@@ -405,6 +425,36 @@ class TokenwireServer:
         log.info("shutting_down")
         await self.drain()
         await self.close()
+
+
+# A session in these states has no socket of this instance and nobody else's.
+_OURS = frozenset({RuntimeState.NEW, RuntimeState.DETACHED})
+
+
+async def _take(ws: ServerConnection, runtime: SessionRuntime) -> bool:
+    """Wait until the session a socket resumes is free for it; False (the
+    socket closed) if it ended meanwhile or another resume took it first."""
+    if runtime.state is RuntimeState.ATTACHED and runtime.ws is not None:
+        runtime.ws.transport.abort()  # its old socket is dead but did not know
+    await runtime.detached.wait()
+    if runtime.state in GONE:
+        await ws.close(1011, "the session ended while resuming")
+        return False
+    if runtime.state is RuntimeState.ATTACHED:
+        # Two resumes waited for the same old socket: one socket per session.
+        await ws.close(1011, "the session was resumed on another connection")
+        return False
+    return True
+
+
+async def _failed(ws: ServerConnection, exc: Exception) -> None:
+    """Something broke serving a connection: tell its client, which may retry."""
+    if isinstance(exc, RedisError):
+        log.warning("session_store_failed", error=str(exc) or type(exc).__name__)
+        await close_or_abort(ws, CLOSE_TRY_AGAIN_LATER, STORE_UNAVAILABLE)
+    else:
+        log.exception("connection_failed")
+        await close_or_abort(ws, 1011, "internal error")
 
 
 def _ignore_result(task: asyncio.Task[None]) -> None:

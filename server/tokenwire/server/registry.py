@@ -61,11 +61,20 @@ class Registry:
             self.stages,
         )
         runtime.on_moved = self.forget
-        if runtime.session.id not in self.sessions:
+        replaced = self.sessions.get(runtime.session.id)
+        if replaced is None:
             COLLECTOR.session_opened()
+        else:
+            self._unhold(replaced)
         self.sessions[runtime.session.id] = runtime
+        usage.sessions += 1
         if self.store is not None and restored is None:
-            await self.store.register(runtime.session.id, usage.key_id)
+            try:
+                await self.store.register(runtime.session.id, usage.key_id)
+            except Exception:
+                # Redis failed us: nothing of this session may stay behind.
+                await self.end_session(runtime)
+                raise
         return runtime
 
     async def find_session(
@@ -160,8 +169,16 @@ class Registry:
         if self.sessions.get(runtime.session.id) is runtime:
             del self.sessions[runtime.session.id]
             COLLECTOR.session_closed()
+            self._unhold(runtime)
         if runtime.expiry is not None:
             runtime.expiry.cancel()
+
+    def _unhold(self, runtime: SessionRuntime) -> None:
+        """The session no longer holds its key's usage record."""
+        usage = runtime.usage
+        if isinstance(usage, KeyUsage):
+            usage.sessions -= 1
+            self.limiter.forget_idle(usage.key_id)
 
     def busy(self) -> int:
         """Responses running in sessions that are still ours."""

@@ -44,7 +44,7 @@ class EventLog(Protocol):
 
     async def flush(self, state: LogState) -> None:
         """Make everything appended durable, with `state`; retries until it
-        is, and raises Fenced if another instance owns the
+        is (or until `clear`), and raises Fenced if another instance owns the
         session now. Nothing to do for a log that is not durable."""
         ...
 
@@ -58,7 +58,9 @@ class EventLog(Protocol):
         """The oldest and newest seq still logged, or None if none is."""
         ...
 
-    def clear(self) -> None: ...
+    def clear(self) -> None:
+        """The session stopped here: drop what is pending, log nothing more."""
+        ...
 
 
 class MemoryLog:

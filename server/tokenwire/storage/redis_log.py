@@ -29,6 +29,7 @@ class RedisLog:
         self._pending: list[tuple[int, bytes]] = []
         self._last_seq = last_seq
         self._refreshed = -TTL_REFRESH_S  # the first flush sets the TTLs
+        self._stopped = False  # the session stopped here: a failing flush retries no more
 
     def append(self, seq: int, event: dict[str, Any], frame: Frame) -> None:
         # Packed now: the event may change once handed on (its items move on).
@@ -46,7 +47,7 @@ class RedisLog:
         now = time.monotonic()
         refresh = now - self._refreshed >= TTL_REFRESH_S
         delay = 0.1
-        while True:
+        while not self._stopped:
             try:
                 await self.store.append(
                     self.session_id, entries, progress, snapshot, client_events, refresh
@@ -69,3 +70,4 @@ class RedisLog:
 
     def clear(self) -> None:
         self._pending = []
+        self._stopped = True

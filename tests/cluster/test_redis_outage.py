@@ -1,0 +1,175 @@
+"""In-process servers whose Redis goes away or comes and goes: nothing of a
+connection leaks, its client learns why, and a drain still ends on time and
+hands over every session it can."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import pytest
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
+
+from tokenwire.config import ServerConfig
+from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.server import TokenwireServer
+from tokenwire.wire.close_codes import CLOSE_SERVICE_RESTART, STORE_UNAVAILABLE
+
+from ..conftest import RedisServer, RunningServer, free_port, start_redis
+from ..helpers.wait import until
+
+
+class OwnRedis:
+    """A redis-server of one test's own, to stop and start again."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = start_redis(self.port)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def start(self) -> None:
+        if self.proc is None:
+            self.proc = start_redis(self.port)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[OwnRedis]:
+    redis = OwnRedis()
+    try:
+        yield redis
+    finally:
+        redis.stop()
+
+
+@asynccontextmanager
+async def serving(url: str, **settings: object) -> AsyncIterator[RunningServer]:
+    config = ServerConfig(
+        engine="scripted",
+        port=0,
+        redis_url=url,
+        lease_s=5,
+        max_events_per_s=0,
+        **settings,  # type: ignore[arg-type]
+    )
+    server = TokenwireServer(config, ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s))
+    await server.start()
+    try:
+        yield RunningServer(server)
+    finally:
+        await asyncio.wait_for(server.close(), 30)
+
+
+async def open_ws(url: str) -> ClientConnection:
+    return await ws_connect(url, subprotocols=["tokenwire.v1.json"])
+
+
+async def recv(ws: ClientConnection) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), 10))
+
+
+async def closed_with(ws: ClientConnection) -> tuple[int, str]:
+    """The close code and reason the server sent, reading past any events."""
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            await recv(ws)
+    assert closed.value.rcvd is not None, "the server dropped the socket without a close frame"
+    return closed.value.rcvd.code, closed.value.rcvd.reason
+
+
+async def test_a_redis_outage_at_connect_leaks_no_slot(own_redis: OwnRedis) -> None:
+    async with serving(own_redis.url, max_connections_per_key=2) as running:
+        server = running.server
+        own_redis.stop()
+        for _ in range(3):  # more than the key's slots: each must be given back
+            ws = await open_ws(running.url)
+            assert await closed_with(ws) == (1013, STORE_UNAVAILABLE)  # no session.created
+        await until(lambda: not server.admission.limiter.keys, "the key's usage record is gone")
+        assert not server.sessions
+        assert server.health()["connections"] == 0
+        own_redis.start()
+        ws = await open_ws(running.url)
+        assert (await recv(ws))["type"] == "session.created"
+        await ws.close()
+
+
+async def test_a_redis_outage_during_a_resume_ends_the_fresh_session(
+    own_redis: OwnRedis,
+) -> None:
+    async with serving(own_redis.url, resume_grace_s=60) as running:
+        server = running.server
+        ws = await open_ws(running.url)
+        fresh = (await recv(ws))["session"]["id"]
+        own_redis.stop()
+        await ws.send(
+            json.dumps({"type": "session.resume", "session_id": "sess_gone", "last_seq": 0})
+        )
+        # Not an error event: a client retries the resume on a close.
+        assert await closed_with(ws) == (1013, STORE_UNAVAILABLE)
+        # Its client never used it: it ends now, not after the 60 s grace period.
+        await until(lambda: fresh not in server.sessions, "the fresh session ended")
+        assert server.health()["connections"] == 0
+        assert not server.admission.limiter.keys
+
+
+async def test_a_drain_ends_on_time_when_redis_is_gone(own_redis: OwnRedis) -> None:
+    async with serving(own_redis.url, drain_timeout_s=0.5) as running:
+        server = running.server
+        ws = await open_ws(running.url)
+        sid = (await recv(ws))["session"]["id"]
+        own_redis.stop()
+        # The hand-over cannot finish; the drain gives up on it after its timeout.
+        await asyncio.wait_for(server.drain(), 30)
+        code, reason = await closed_with(ws)
+        assert (code, reason) == (CLOSE_SERVICE_RESTART, "draining; resume the session")
+        assert sid not in server.sessions
+        assert not server.admission.limiter.keys
+
+
+async def test_a_socket_lost_during_a_drain_is_handed_over(redis_server: RedisServer) -> None:
+    settings = {"drain_timeout_s": 1.0, "scripted_tokens_per_s": 50}
+    async with (
+        serving(redis_server.url, **settings) as a,
+        serving(redis_server.url, **settings) as b,
+    ):
+        ws = await open_ws(a.url)
+        sid = (await recv(ws))["session"]["id"]
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "response.create",
+                    "response": {"ignore_eos": True, "max_output_tokens": 200},
+                }
+            )
+        )
+        while (await recv(ws))["type"] != "response.output_text.delta":
+            pass
+        # A response runs: the drain waits for it, and sees the drop meanwhile.
+        drain = asyncio.create_task(a.server.drain())
+        while (event := await recv(ws))["type"] != "session.going_away":
+            pass
+        last = event["seq"]
+        ws.transport.abort()  # the client's network drops while A drains
+        await asyncio.wait_for(drain, 30)
+        assert await a.server.store.meta(sid) is not None  # type: ignore[union-attr]
+        ws = await open_ws(b.url)
+        await recv(ws)  # its own session.created
+        await ws.send(json.dumps({"type": "session.resume", "session_id": sid, "last_seq": last}))
+        while (event := await recv(ws))["type"] != "response.done":
+            assert event["type"] != "error", event
+        assert event["response"]["status"] == "completed"
+        assert event["response"]["usage"]["output_tokens"] == 200
+        await ws.close()
