@@ -13,12 +13,14 @@ import pytest
 from tokenwire.core import snapshot as snapshots
 from tokenwire.core.events import AbortGeneration, StartGeneration, StartTimer
 from tokenwire.core.session import Session
+from tokenwire.core.tools import ToolFlow
 from tokenwire.engines.base import EngineDelta
 from tokenwire.storage.redis import pack, unpack
 
 from ..helpers.session import begin, call, codes, drive, output, start, types
 from ..helpers.tools import WEATHER
 
+USER = {"type": "message", "role": "user", "content": "private"}
 STRUCTURE_FREE = {"response.output_text.delta", "response.function_call_arguments.delta"}
 
 
@@ -253,3 +255,28 @@ def test_out_of_band_responses_are_the_same_after_a_restore() -> None:
     ]
     assert probe(s) == expected
     assert probe(r) == expected
+
+
+def test_an_openai_input_response_keeps_its_context_and_writes_the_conversation() -> None:
+    """conversation "auto" with OpenAI's `input`: the prompt is the input (its
+    item "X" private, though the conversation has an "X" too), the output item
+    is the conversation's and the context's, the same one after a restore."""
+    s = Session(tool_flow=ToolFlow.CLIENT)
+    s.events_to_send()
+    drive(s, {"type": "conversation.item.create", "item": {**USER, "content": "history"}})
+    drive(s, {"type": "response.create", "response": {"input": [{**USER, "id": "X"}]}})
+    (gen,) = s.actions_to_perform()
+    s.receive_engine_output(gen.request.request_id, EngineDelta("Hel", 1, None, 5, 0))
+    drive(s, {"type": "conversation.item.create", "item": {**USER, "id": "X", "content": "pub"}})
+    r = Session.restore(over_the_wire(s), tool_flow=ToolFlow.CLIENT)
+    for session in (s, r):
+        (resp,) = session.active_responses
+        assert resp.context[-1] is resp.output[0] is session.items[1]
+        assert [i["content"] for i in resp.context] == ["private", "Hel"]
+        assert session.conversation.by_id["X"]["content"] == "pub"
+    assert r.resume() == [resp.id]
+    (cont,) = r.actions_to_perform()
+    assert cont.request.messages == gen.request.messages == [{"role": "user", "content": "private"}]
+    r.receive_engine_output(cont.request.request_id, EngineDelta("lo", 1, "stop"))
+    assert r.events_to_send()[-1]["response"]["output"][0]["content"] == "Hello"
+    assert [i["content"] for i in r.items] == ["history", "Hello", "pub"]

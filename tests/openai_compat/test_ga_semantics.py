@@ -248,3 +248,131 @@ def test_an_empty_include_and_a_null_response_pass(h: GAHarness) -> None:
     h.send({"type": "response.create", "response": None})
     assert "error" not in types(h.take())
     assert len(h.session.active_responses) == 1
+
+
+# -- response.create input: the response's own context ---------------------------
+
+
+def respond(h: GAHarness, **response: Any) -> list[dict[str, Any]]:
+    h.send({"type": "response.create", "response": response})
+    return h.take()
+
+
+def prompt(h: GAHarness) -> list[Any]:
+    (resp,) = h.session.active_responses
+    assert resp.gen_request is not None
+    return [(m["role"], m.get("content")) for m in resp.gen_request.messages]
+
+
+def test_input_with_conversation_auto_is_the_prompt_and_is_not_added(h: GAHarness) -> None:
+    h.send(create(message("history", id="h1")))
+    h.take()
+    frames = respond(h, conversation="auto", input=[message("only this", id="i1")])
+    assert types(frames) == ["response.created"]  # no conversation.item.added for i1
+    assert frames[0]["response"]["conversation_id"] is not None
+    assert prompt(h) == [("user", "only this")]
+    h.engine(EngineDelta("Hello", 1, "stop", 5, 0))
+    frames = h.take()
+    added = [f["item"]["id"] for f in frames if f["type"] == "conversation.item.added"]
+    out = frames[-1]["response"]["output"][0]["id"]
+    assert added == [out]  # the output goes into the conversation
+    assert ids(h) == ["h1", out]
+    h.send({"type": "conversation.item.retrieve", "item_id": "i1"})
+    assert types(h.take()) == ["error"]  # the input is the response's alone
+    h.send({"type": "response.create"})  # the next default response sees the conversation
+    assert prompt(h) == [("user", "history"), ("assistant", "Hello")]
+
+
+def test_an_empty_input_clears_the_context(h: GAHarness) -> None:
+    h.send({"type": "session.update", "session": {"type": "realtime", "instructions": "Be"}})
+    h.send(create(message("history")))
+    h.take()
+    assert types(respond(h, input=[])) == ["response.created"]
+    assert prompt(h) == [("system", "Be")]
+    h.engine(EngineDelta("Hi", 1, "stop", 5, 0))
+    h.take()
+    assert [i["content"] for i in h.session.items] == ["history", "Hi"]
+
+
+def test_input_takes_function_call_outputs(h: GAHarness) -> None:
+    call = tool_round(h)
+    h.take()
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    other = {"type": "function_call_output", "call_id": "call_elsewhere", "output": "42"}
+    frames = respond(h, conversation="auto", input=[message("Weather?"), output, other])
+    assert types(frames) == ["response.created"]
+    (resp,) = h.session.active_responses
+    assert resp.gen_request is not None
+    # A call of the session comes before its output; any other output is context as it is.
+    assert resp.gen_request.messages == [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call["call_id"],
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call["call_id"], "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_elsewhere", "content": "42"},
+    ]
+    h.engine(EngineDelta("Sunny.", 1, "stop", 5, 0))
+    h.take()
+    # The input answered no call: the conversation's output is still welcome.
+    h.send(create(output))
+    assert types(h.take()) == ["conversation.item.added", "conversation.item.done"]
+    assert [i["type"] for i in h.session.items] == [
+        "message",
+        "function_call",
+        "message",
+        "function_call_output",
+    ]
+
+
+def test_an_input_responses_calls_are_the_conversations(h: GAHarness) -> None:
+    h.send({"type": "session.update", "session": {"type": "realtime", "tools": [TOOL]}})
+    respond(h, input=[message("Weather in Oslo?")])
+    call = ToolCallDelta(0, "get_weather", '{"city": "Oslo"}')
+    h.engine(EngineDelta("", 1, "stop", 5, 0, tool_calls=[call]))
+    done = next(f for f in h.take() if f["type"] == ARGS_DONE)
+    assert ids(h) == [done["item_id"]]
+    h.send(create({"type": "function_call_output", "call_id": done["call_id"], "output": "cold"}))
+    assert "error" not in types(h.take())
+    h.send({"type": "response.create"})
+    assert [m["role"] for m in h.session.active_responses[0].gen_request.messages] == [
+        "assistant",
+        "tool",
+    ]
+
+
+def test_an_input_responses_partial_call_leaves_the_conversation(h: GAHarness) -> None:
+    h.send({"type": "session.update", "session": {"type": "realtime", "tools": [TOOL]}})
+    h.send(create(message("history", id="h1")))
+    respond(h, input=[message("Weather?")])
+    h.engine(EngineDelta("", 1, None, 5, 0, tool_calls=[ToolCallDelta(0, "get_weather", '{"')]))
+    h.take()
+    (resp,) = h.session.active_responses
+    h.send({"type": "response.cancel"})
+    assert "conversation.item.deleted" in types(h.take())
+    assert ids(h) == ["h1"]
+    assert [i["type"] for i in resp.context] == ["message"]
+
+
+def test_a_function_call_output_in_input_is_refused_in_tokenwire_v1() -> None:
+    s = Session()
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "x"}
+    event = {"type": "response.create", "response": {"input": [output]}}
+    assert codes(drive(s, event)) == ["invalid_field"]
+
+
+def test_input_with_conversation_auto_is_added_in_tokenwire_v1() -> None:
+    s = Session()
+    s.events_to_send()
+    question = {"type": "message", "role": "user", "content": "q", "id": "i1"}
+    events = drive(s, {"type": "response.create", "response": {"input": [question]}})
+    assert types(events) == ["conversation.item.created", "response.created"]
+    assert [i["id"] for i in s.items] == ["i1"]

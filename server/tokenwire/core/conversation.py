@@ -70,11 +70,20 @@ class Conversation:
         self.history_bytes += len(text.encode())
 
     def response_inputs(
-        self, raw_inputs: list[MessageItem | FunctionCallOutputItem], event_id: str | None
+        self,
+        raw_inputs: list[MessageItem | FunctionCallOutputItem],
+        event_id: str | None,
+        calls: dict[str, tuple[Item, str, bool]] | None = None,
     ) -> list[Item]:
-        """A response's own `input` items, new and not yet inserted."""
+        """A response's own `input` items, new and not yet inserted. `calls`
+        (OpenAI's sessions: the session's calls by call_id) lets outputs in:
+        they are only the prompt's, answer no call, and one for a call of the
+        session follows a copy of that call (the model sees what it answers);
+        without it, tokenwire v1's rule refuses them."""
         inputs = [
-            self.new_item(raw, event_id) for raw in raw_inputs if isinstance(raw, MessageItem)
+            self.new_item(raw, event_id)
+            for raw in raw_inputs
+            if calls is not None or isinstance(raw, MessageItem)
         ]
         if len({i["id"] for i in inputs}) < len(inputs):
             raise ProtocolError(
@@ -83,14 +92,22 @@ class Conversation:
                 event_id=event_id,
                 param="response.input",
             )
-        if any(isinstance(raw, FunctionCallOutputItem) for raw in raw_inputs):
+        if len(inputs) < len(raw_inputs):
             raise ProtocolError(
                 ErrorCode.INVALID_FIELD,
                 "send function_call_output items with conversation.item.create",
                 event_id=event_id,
                 param="response.input",
             )
-        return inputs
+        context: list[Item] = []
+        for item in inputs:
+            output = calls is not None and item["type"] == "function_call_output"
+            known = calls.get(item["call_id"]) if output else None  # type: ignore[union-attr]
+            if known is not None and known[0] not in context:
+                context.append(known[0])
+            context.append(item)
+        # Copies: the conversation's items go on changing (truncate, delete).
+        return [dict(item) for item in context]
 
     def new_item(self, raw: MessageItem | FunctionCallOutputItem, event_id: str | None) -> Item:
         fields = raw.model_dump(exclude_none=True)
@@ -157,9 +174,19 @@ class Conversation:
         self.history_bytes += ITEM_BYTES
         return previous
 
+    def add_output(self, context: list[Item], item: Item, in_conversation: bool) -> None:
+        """A response's output item, at its context's end; a conversation:"auto"
+        response with a context of its own (OpenAI's `input`) writes it at
+        the conversation's end too, the same item (counted once)."""
+        self.append_to(context, item)
+        if in_conversation and context is not self.items:
+            self.items.append(item)
+
     def remove_from(self, context: list[Item], item: Item) -> None:
-        if item in context:
-            context.remove(item)
+        """Take a response's item out of its context (and the conversation)."""
+        for items in (context, self.items):
+            if item in items:
+                items.remove(item)
         self.by_id.pop(item["id"], None)
 
     def delete(self, item_id: str, busy: set[str], event_id: str | None) -> Item:
@@ -182,8 +209,8 @@ class Conversation:
             )
         self.items.remove(item)
         del self.by_id[item_id]
-        text = item.get("content") or item.get("arguments") or item.get("output") or ""
-        self.history_bytes = max(self.history_bytes - len(text.encode()) - ITEM_BYTES, 0)
+        size = len(item_text(item).encode())
+        self.history_bytes = max(self.history_bytes - size - ITEM_BYTES, 0)
         return item
 
     def truncate(self, item_id: str, text_end: int, event_id: str | None) -> Item:
@@ -214,6 +241,11 @@ class Conversation:
         item["content"] = item["content"][:text_end]
         item["status"] = "incomplete"
         return item
+
+
+def item_text(item: Item) -> str:
+    """The text an item holds (what counts against the size cap)."""
+    return item.get("content") or item.get("arguments") or item.get("output") or ""
 
 
 def render_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:

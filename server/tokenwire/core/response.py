@@ -30,7 +30,9 @@ class Response:
     params: dict[str, Any]
     metadata: dict[str, str] | None
     # Items the prompt is rendered from: the session's list for conversation
-    # "auto", a private one for "none". Output items are appended to it.
+    # "auto", a private one for "none" and for an OpenAI session's `input`.
+    # Output items are appended to it, and to the conversation when
+    # `in_conversation` (see Conversation.add_output).
     context: list[Item]
     created_at: float
     tool_choice: str | dict[str, Any] = "auto"
@@ -79,7 +81,7 @@ class Response:
     # -- output items ----------------------------------------------------------
 
     def _add_output(self, conv: Conversation, item: Item) -> None:
-        conv.append_to(self.context, item)
+        conv.add_output(self.context, item, self.in_conversation)
         self.output.append(item)
 
     def append_text(self, conv: Conversation, text: str, item_id: str | None = None) -> Item:
@@ -143,7 +145,8 @@ class Response:
         return item
 
     def drop_partial_calls(self, conv: Conversation) -> None:
-        # Calls cut off mid-arguments cannot be run; they leave the history.
+        # Calls cut off mid-arguments cannot be run; they leave the history
+        # (the context, and the conversation).
         for item in self.calls.values():
             conv.remove_from(self.context, item)
             self.output.remove(item)

@@ -126,7 +126,9 @@ class SessionConfig(_Settings):
 
 class ResponseParams(_Settings):
     conversation: Literal["auto", "none"] = "auto"
-    # Items used instead of the conversation when conversation is "none".
+    # Items used instead of the conversation when conversation is "none";
+    # with "auto", tokenwire v1 appends them to it and OpenAI's sessions use
+    # them instead of it (`[]`: an empty context; None: no input).
     input: list[Item] | None = None
     metadata: dict[str, str] | None = None
     # Generate exactly max_output_tokens; for benchmarks.

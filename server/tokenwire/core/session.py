@@ -20,7 +20,15 @@ from ..engines.base import EngineCapabilities, EngineDelta, EngineError
 from . import events as ev
 from . import schema as s
 from . import snapshot
-from .conversation import ITEM_BYTES, Conversation, Item, make_item, new_id, new_secret_id
+from .conversation import (
+    ITEM_BYTES,
+    Conversation,
+    Item,
+    item_text,
+    make_item,
+    new_id,
+    new_secret_id,
+)
 from .errors import ErrorCode, ProtocolError
 from .events import Action, Outputs
 from .lifecycle import Lifecycle, Preflight, Quota
@@ -293,29 +301,33 @@ class Session:
         check_priority(
             self.limits.min_priority, given.get("priority"), event_id, "response.priority"
         )
-        inputs = conv.response_inputs(rp.input, event_id) if rp.input else []
+        # OpenAI's `input` (`[]` too) is the prompt instead of the conversation,
+        # even with "auto"; tokenwire v1 appends it to the conversation (§4).
+        own = not in_conversation or (self._openai and rp.input is not None)
+        calls = self.lifecycle.calls if self._openai else None
+        inputs = conv.response_inputs(rp.input, event_id, calls) if rp.input else []
         resp = Response(
             id=new_id("resp"),
             event_id=event_id,
             in_conversation=in_conversation,
             params=params,
             metadata=rp.metadata,
-            context=conv.items if in_conversation else inputs,
+            context=inputs if own else conv.items,
             created_at=self.clock(),
             tool_choice=params["tool_choice"],
         )
-        request = self.lifecycle.checked_request(resp, inputs if in_conversation else [], event_id)
-        size = sum(len(i["content"].encode()) for i in inputs) if inputs else 0
+        request = self.lifecycle.checked_request(resp, [] if own else inputs, event_id)
+        size = sum(len(item_text(i).encode()) for i in inputs)
         conv.check_room(size, event_id, items=len(inputs))
         # Last check: from here on the response exists and holds its slot.
         quota = self.lifecycle.quota
         if quota is not None and (problem := quota.acquire_response()):
             raise ProtocolError(problem[0], problem[1], event_id=event_id)
         conv.history_bytes += size
-        if in_conversation:
+        if not own:
             for item in inputs:
                 self._emit_item_created(item, conv.insert(item), None)
-        else:  # the response's own context: counted as inserted ones are
+        else:  # the response's own context, not announced: counted as inserted ones are
             conv.history_bytes += len(inputs) * ITEM_BYTES
         self.lifecycle.add(resp, request)
 

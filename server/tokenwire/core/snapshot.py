@@ -53,7 +53,8 @@ def take(session: Session) -> dict[str, Any]:
     # Items known by id outside the conversation: conversation:"none"
     # responses' outputs, steers and tool outputs (never their `input`).
     shared = {id(it) for it in conv.items}
-    active = {id(it) for r in session.active_responses if not r.in_conversation for it in r.context}
+    own = [r for r in session.active_responses if r.context is not conv.items]
+    active = {id(it) for r in own for it in r.context}
     private = [it for it in conv.by_id.values() if id(it) not in shared]
     return {
         "id": session.id,
@@ -72,7 +73,9 @@ def take(session: Session) -> dict[str, Any]:
             cid: [item["id"], rid, done]
             for cid, (item, rid, done) in session.lifecycle.calls.items()
         },
-        "responses": [_response_state(r, now, wall) for r in session.active_responses],
+        "responses": [
+            _response_state(r, now, wall, conv, shared) for r in session.active_responses
+        ],
     }
 
 
@@ -112,10 +115,14 @@ def _restore_response(
     session: Session, rs: dict[str, Any], now: float, wall: float, private_ids: set[str] | None
 ) -> Response:
     conv = session.conversation
-    context = conv.items if rs["in_conversation"] else rs["context"]
-    for item in context:
-        if rs["in_conversation"] or private_ids is None or item["id"] in private_ids:
-            conv.by_id[item["id"]] = item
+    context = conv.items
+    if rs.get("own_context", not rs["in_conversation"]):
+        # Conversation items (an OpenAI `input` response's output) by id: the same objects.
+        shared = {it["id"]: it for it in conv.items} if rs["in_conversation"] else {}
+        context = [shared[it] if isinstance(it, str) else it for it in rs["context"]]
+        for item in rs["context"]:
+            if isinstance(item, dict) and (private_ids is None or item["id"] in private_ids):
+                conv.by_id[item["id"]] = item
     by_id = {it["id"]: it for it in context}
     req = rs["gen_request"]
     status = ResponseStatus(rs["status"])
@@ -156,8 +163,13 @@ def _monotonic(at_wall: float | None, now: float, wall: float) -> float | None:
     return None if at_wall is None else now - (wall - at_wall)
 
 
-def _response_state(resp: Response, now: float, wall: float) -> dict[str, Any]:
+def _response_state(
+    resp: Response, now: float, wall: float, conv: Conversation, shared: set[int]
+) -> dict[str, Any]:
+    """`shared`: the conversation's items (by id()), which a context of its
+    own names by item id (they are in the snapshot's `items`)."""
     req = resp.gen_request
+    own = resp.context is not conv.items
     resp.logged_ids = len(resp.gen_token_ids)
     resp.logged_usage = resp.usage()
     return {
@@ -166,7 +178,8 @@ def _response_state(resp: Response, now: float, wall: float) -> dict[str, Any]:
         "in_conversation": resp.in_conversation,
         "params": resp.params,
         "metadata": resp.metadata,
-        "context": [] if resp.in_conversation else resp.context,
+        "own_context": own,
+        "context": [it["id"] if id(it) in shared else it for it in resp.context] if own else [],
         # Wall clock: the instance that restores it has its own monotonic clock.
         "created_wall": wall - (now - resp.created_at),
         "tool_choice": resp.tool_choice,
