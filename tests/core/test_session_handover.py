@@ -280,3 +280,16 @@ def test_an_openai_input_response_keeps_its_context_and_writes_the_conversation(
     r.receive_engine_output(cont.request.request_id, EngineDelta("lo", 1, "stop"))
     assert r.events_to_send()[-1]["response"]["output"][0]["content"] == "Hello"
     assert [i["content"] for i in r.items] == ["history", "Hello", "pub"]
+
+
+def test_a_restored_session_keeps_the_rules_of_the_dialect_it_began_with() -> None:
+    """Resumed on a socket of any dialect, an OpenAI session reads "root" as
+    the conversation's start, as it did."""
+    s = Session(tool_flow=ToolFlow.CLIENT)
+    s.events_to_send()
+    drive(s, {"type": "conversation.item.create", "item": {**USER, "content": "second"}})
+    r = Session.restore(over_the_wire(s))  # the socket's flow: tokenwire v1's default
+    first = {"type": "conversation.item.create", "previous_item_id": "root", "item": USER}
+    (created,) = drive(r, first)
+    assert created["type"] == "conversation.item.created"
+    assert [i["content"] for i in r.items] == [USER["content"], "second"]

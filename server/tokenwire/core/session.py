@@ -183,6 +183,7 @@ class Session:
     def restore(cls, state: dict[str, Any], **kwargs: Any) -> Session:
         session = cls(session_id=state["id"], **kwargs)
         snapshot.restore_into(session, state)
+        session._openai = session.lifecycle.tool_flow is ToolFlow.CLIENT  # as it began
         return session
 
     def replay_delta(self, event: dict[str, Any]) -> None:
