@@ -376,3 +376,18 @@ def test_input_with_conversation_auto_is_added_in_tokenwire_v1() -> None:
     events = drive(s, {"type": "response.create", "response": {"input": [question]}})
     assert types(events) == ["conversation.item.created", "response.created"]
     assert [i["id"] for i in s.items] == ["i1"]
+
+
+@pytest.mark.parametrize("kind", ["no.such.event", None])
+def test_a_refusal_echoes_no_event_id_over_128_characters(h: GAHarness, kind: str | None) -> None:
+    """As the core's own errors: a long event_id is not echoed (it could be
+    a megabyte a hostile client wants reflected)."""
+    event: dict[str, Any] = {"event_id": "e" * 129}
+    if kind is not None:
+        event["type"] = kind
+    h.send(event)
+    (error,) = h.take()
+    assert error["type"] == "error" and error["error"].get("event_id") is None
+    h.send({"type": "no.such.event", "event_id": "e" * 128})
+    (error,) = h.take()
+    assert error["error"]["event_id"] == "e" * 128

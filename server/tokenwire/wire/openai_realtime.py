@@ -69,6 +69,7 @@ from typing import Any
 
 from ..core import events as ev
 from ..core.errors import ProtocolError
+from ..core.schema import event_id_of
 from .codec import decode_frame, encode_json
 from .dialect import ToolFlow
 from .openai_errors import GACode, Refused, ga_error, missing, refuse_event
@@ -231,7 +232,7 @@ class OpenAIRealtime:
             raise Refused(GACode.INVALID_JSON, exc.message) from None
         if not isinstance(obj, dict):
             raise Refused(GACode.INVALID_VALUE, "an event must be a JSON object")
-        eid = obj.get("event_id") if isinstance(obj.get("event_id"), str) else None
+        eid = event_id_of(obj)  # as the core echoes it: a string of up to 128 characters
         kind = obj.get("type")
         if kind is None:
             raise missing("type", eid)
