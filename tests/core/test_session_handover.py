@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenwire.core.events import AbortGeneration, StartGeneration, StartTimer
+from tokenwire.core.events import AbortGeneration, CancelTimer, StartGeneration, StartTimer
 from tokenwire.core.session import Session
 from tokenwire.engines.base import EngineDelta
 from tokenwire.storage.redis import pack, unpack
@@ -76,7 +76,8 @@ def test_a_response_waiting_for_tools_waits_on_the_new_instance() -> None:
     assert r.resume() == []  # nothing was generating
     created = output(r, call_id, '{"sky": "sunny"}')
     assert types(created) == ["conversation.item.created"]
-    (cont,) = r.actions_to_perform()
+    cancel, cont = r.actions_to_perform()
+    assert cancel == CancelTimer(action.response_id)
     assert isinstance(cont, StartGeneration) and cont.response_id == action.response_id
     assert [m["role"] for m in cont.request.messages] == ["user", "assistant", "tool"]
     # A late timer from before the handover does nothing.

@@ -3,6 +3,7 @@ in the OPEN state over a transport that takes every write at once."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,3 +38,22 @@ def open_socket() -> Any:
     )
     ws.protocol.state = State.OPEN
     return ws
+
+
+def sent_events(ws: Any) -> list[dict[str, Any]]:
+    """The events written to an `open_socket()`: each write is whole
+    unmasked text frames, as `runtime.ws.data_frame` makes them."""
+    data = b"".join(ws.transport.written)
+    events, i = [], 0
+    while i < len(data):
+        n, i = data[i + 1] & 0x7F, i + 2
+        if n >= 126:
+            size = 2 if n == 126 else 8
+            n, i = int.from_bytes(data[i : i + size], "big"), i + size
+        events.append(json.loads(data[i : i + n]))
+        i += n
+    return events
+
+
+def types_sent(ws: Any) -> list[str]:
+    return [e["type"] for e in sent_events(ws)]

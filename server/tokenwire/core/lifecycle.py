@@ -25,7 +25,7 @@ from . import events as ev
 from . import schema as s
 from .conversation import Conversation, Item, render_messages
 from .errors import ErrorCode, ProtocolError, error_event
-from .events import AbortGeneration, Outputs, StartGeneration, StartTimer
+from .events import AbortGeneration, CancelTimer, Outputs, StartGeneration, StartTimer
 from .response import Response, ResponseStatus
 from .stages import CONTENT_FILTER
 from .tools import ToolFlow, check_arguments, engine_tools
@@ -358,6 +358,12 @@ class Lifecycle:
         resp.wait_token += 1
         self._out.perform(StartTimer(resp.id, resp.wait_token, resp.params["tool_timeout_s"]))
 
+    def _end_wait(self, resp: Response) -> None:
+        """The wait for tool outputs is over (outputs in, or the response
+        ends): its timer goes too, and a late one finds a stale token."""
+        resp.wait_token += 1
+        self._out.perform(CancelTimer(resp.id))
+
     def close_text_item(self, resp: Response, status: str) -> Item | None:
         item = resp.close_text_item(status)
         if item is not None:
@@ -383,6 +389,8 @@ class Lifecycle:
         self, resp: Response, status: ResponseStatus, details: dict[str, Any] | None
     ) -> None:
         completed = status is ResponseStatus.COMPLETED
+        if resp.status is ResponseStatus.REQUIRES_ACTION:
+            self._end_wait(resp)
         self.close_text_item(resp, "completed" if completed else "incomplete")
         resp.drop_partial_calls(self.conversation)
         resp.pending_calls.clear()
@@ -445,7 +453,7 @@ class Lifecycle:
             if not resp.pending_calls:
                 # Every output is in: the same response goes on by itself.
                 resp.status = ResponseStatus.IN_PROGRESS
-                resp.wait_token += 1
+                self._end_wait(resp)
                 if resp.tool_choice != "auto":
                     resp.tool_choice = "none"  # a forced call is made once, not forever
                 self.start_generation(resp)

@@ -25,7 +25,7 @@ from .. import metrics
 from ..config import ServerConfig
 from ..core import events as ev
 from ..core.errors import ErrorCode, ProtocolError
-from ..core.events import AbortGeneration, StartGeneration, StartTimer
+from ..core.events import AbortGeneration, CancelTimer, StartGeneration, StartTimer
 from ..core.lifecycle import Quota
 from ..core.schema import SessionResume, parse_client_event
 from ..core.session import Session, SessionLimits
@@ -375,6 +375,10 @@ class SessionRuntime:
                 self._timers[action.response_id] = asyncio.get_running_loop().call_later(
                     action.delay_s, self._timeout, action.response_id, action.token
                 )
+            elif isinstance(action, CancelTimer):
+                timer = self._timers.pop(action.response_id, None)
+                if timer is not None:
+                    timer.cancel()
         events = self.session.events_to_send()
         if events:
             for event in events:
