@@ -162,11 +162,8 @@ class Lifecycle:
 
     def receive_timeout(self, response_id: str, token: int) -> None:
         resp = self.responses.get(response_id)
-        if (
-            resp is None
-            or resp.status is not ResponseStatus.REQUIRES_ACTION
-            or resp.wait_token != token
-        ):
+        waiting = (ResponseStatus.REQUIRES_ACTION, token)
+        if resp is None or (resp.status, resp.wait_token) != waiting:
             return  # outputs arrived, or the response ended, before the timer fired
         self.finish(
             resp, ResponseStatus.INCOMPLETE, {"type": "incomplete", "reason": "tool_timeout"}
@@ -358,12 +355,6 @@ class Lifecycle:
         resp.wait_token += 1
         self._out.perform(StartTimer(resp.id, resp.wait_token, resp.params["tool_timeout_s"]))
 
-    def _end_wait(self, resp: Response) -> None:
-        """The wait for tool outputs is over (outputs in, or the response
-        ends): its timer goes too, and a late one finds a stale token."""
-        resp.wait_token += 1
-        self._out.perform(CancelTimer(resp.id))
-
     def close_text_item(self, resp: Response, status: str) -> Item | None:
         item = resp.close_text_item(status)
         if item is not None:
@@ -390,7 +381,7 @@ class Lifecycle:
     ) -> None:
         completed = status is ResponseStatus.COMPLETED
         if resp.status is ResponseStatus.REQUIRES_ACTION:
-            self._end_wait(resp)
+            _end_wait(self._out, resp)
         self.close_text_item(resp, "completed" if completed else "incomplete")
         resp.drop_partial_calls(self.conversation)
         resp.pending_calls.clear()
@@ -453,7 +444,7 @@ class Lifecycle:
             if not resp.pending_calls:
                 # Every output is in: the same response goes on by itself.
                 resp.status = ResponseStatus.IN_PROGRESS
-                self._end_wait(resp)
+                _end_wait(self._out, resp)
                 if resp.tool_choice != "auto":
                     resp.tool_choice = "none"  # a forced call is made once, not forever
                 self.start_generation(resp)
@@ -461,3 +452,10 @@ class Lifecycle:
     def _response_for(self, request_id: str) -> Response | None:
         response_id = self._requests.get(request_id)
         return self.responses.get(response_id) if response_id else None
+
+
+def _end_wait(out: Outputs, resp: Response) -> None:
+    """The wait for tool outputs is over (outputs in, or the response ends):
+    its timer goes too, and a late one finds a stale token."""
+    resp.wait_token += 1
+    out.perform(CancelTimer(resp.id))

@@ -33,7 +33,7 @@ from ..storage.eventlog import EventLog, Fenced, Frame, LogState
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_SLOW_CLIENT
 from .flag import Flag
-from .ws import close_or_abort, unless_closed, write_messages
+from .ws import close_or_abort, wait_buffer_below, write_messages
 
 _OPEN = State.OPEN  # per token: a lookup through the enum class takes 9x as long
 
@@ -329,22 +329,6 @@ class Delivery:
             self.paused = False
             self._owner.caught_up()
 
-    async def wait_socket_below(self, low: int) -> None:
-        """Wait, without polling, until the socket's write buffer is at most `low`."""
-        assert self.ws is not None
-        transport = self.ws.transport
-        if transport is None or transport.get_write_buffer_size() <= low:
-            return
-        # Lowering the transport's limits pauses the protocol now and resumes
-        # it once the buffer falls to `low`; websockets' drain() waits for that.
-        limits = transport.get_write_buffer_limits()  # (low, high)
-        transport.set_write_buffer_limits(high=low, low=low)
-        try:
-            await unless_closed(self.ws, self.ws.drain())
-        finally:
-            if not transport.is_closing():
-                transport.set_write_buffer_limits(high=limits[1], low=limits[0])
-
     # -- the writer task ---------------------------------------------------------
 
     def start_writer(self) -> None:
@@ -378,7 +362,7 @@ class Delivery:
                     if self.behind():
                         # The queue is empty, but the socket may still hold what
                         # the client has not read: wait until it has.
-                        await self.wait_socket_below(self.pace.high_water // 2)
+                        await wait_buffer_below(ws, self.pace.high_water // 2)
                         if len(self.outbox):
                             self._wakeup.set()  # events queued meanwhile: send them first
                             continue
@@ -482,7 +466,7 @@ class Delivery:
         if self.live and self.ws is not None:
             # Let the socket take the last frames before the close.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.wait_socket_below(0), 1)
+                await asyncio.wait_for(wait_buffer_below(self.ws, 0), 1)
 
     async def stop(self) -> None:
         """The session ended: nothing more goes anywhere."""
