@@ -323,3 +323,13 @@ def test_client_events_counts_every_frame_taken(session: Session) -> None:
         ProtocolError(ErrorCode.SESSION_NOT_FOUND, "no such session"), frame=False
     )
     assert session.client_events == 5
+
+
+def test_a_closed_session_ignores_client_events() -> None:
+    s = Session()
+    s.events_to_send()
+    s.close()
+    s.receive_client_event({"type": "response.create", "response": {}})
+    s.receive_client_event({"type": "nonsense"})
+    assert s.events_to_send() == [] and s.actions_to_perform() == []
+    assert not s.responses and s.client_events == 0

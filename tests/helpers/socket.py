@@ -1,5 +1,6 @@
 """A session runtime's socket without a network: a websockets server protocol
-in the OPEN state over a transport that takes every write at once."""
+in the OPEN state over a transport that takes every write at once; `close`
+records its code."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class RecordingTransport:
 
     def __init__(self) -> None:
         self.written: list[bytes] = []
+        self.aborted = False
 
     def get_write_buffer_size(self) -> int:
         return 0
@@ -30,6 +32,9 @@ class RecordingTransport:
     def writelines(self, data: list[bytes]) -> None:
         self.written.extend(data)
 
+    def abort(self) -> None:
+        self.aborted = True
+
 
 def open_socket() -> Any:
     """What `SessionRuntime.attach` takes of a websockets ServerConnection."""
@@ -37,6 +42,13 @@ def open_socket() -> Any:
         protocol=ServerProtocol(), transport=RecordingTransport(), remote_address=None
     )
     ws.protocol.state = State.OPEN
+    ws.close_code = None
+
+    async def close(code: int = 1000, reason: str = "") -> None:
+        ws.close_code = code
+        ws.protocol.state = State.CLOSED
+
+    ws.close = close
     return ws
 
 

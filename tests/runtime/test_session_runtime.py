@@ -60,3 +60,18 @@ async def test_tool_timers_end_with_the_wait(runtime: SessionRuntime) -> None:
     assert rt._timers == {} and rt.session.active_responses
     await until(lambda: types_sent(rt.ws).count("response.done") == 4, "the answer")
     assert rt._timers == {}
+
+
+async def test_an_ended_session_serves_its_socket_no_more(runtime: SessionRuntime) -> None:
+    """A drain without Redis ends sessions whose sockets are still open."""
+    rt, ws = runtime, runtime.ws
+    await rt.end()
+    await until(lambda: ws.close_code == 1001, "the socket closed: going away")
+    written = len(ws.transport.written)
+    send(rt, {"type": "response.create", "response": {"max_output_tokens": 50}})
+    rt.receive("{")  # not even an error answers
+    assert not rt.tasks and not rt.session.active_responses
+    assert len(ws.transport.written) == written
+    # Were anything still to come out, it would not reach the socket.
+    rt.delivery.send([{"type": "error"}])
+    assert len(ws.transport.written) == written

@@ -171,7 +171,10 @@ class Session:
 
     def receive_client_event(self, obj: Any, *, checked: bool = False) -> None:
         """Take one client event (internal schema, as a dialect parsed it; `checked`:
-        its values passed `check_values`); bad input becomes an `error` event."""
+        its values passed `check_values`); bad input becomes an `error` event.
+        A closed session ignores it: nothing may start once its responses are ended."""
+        if self.closed:
+            return
         self.client_events += 1
         try:
             try:
@@ -193,6 +196,8 @@ class Session:
     def receive_protocol_error(self, err: ProtocolError, *, frame: bool = True) -> None:
         """A frame the dialect could not parse; `frame=False` for an error
         about no frame of this session (a refused resume)."""
+        if self.closed:
+            return
         self.client_events += frame
         self._emit(err.to_event())
 

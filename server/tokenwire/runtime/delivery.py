@@ -316,10 +316,12 @@ class Delivery:
         self.outbox.clear()
         self._owner.slow_client()
         self.closed_for = "slow_client"
-        if self.ws is not None:
-            self._closer = asyncio.get_running_loop().create_task(
-                close_or_abort(self.ws, CLOSE_SLOW_CLIENT, "client is not reading")
-            )
+        self.close_soon(CLOSE_SLOW_CLIENT, "client is not reading")
+
+    def close_soon(self, code: int, reason: str) -> None:
+        """Close the attached socket in a task: the client may never answer."""
+        if self.ws is not None and self._closer is None:
+            self._closer = asyncio.create_task(close_or_abort(self.ws, code, reason))
 
     def _caught_up(self) -> None:
         """The writer emptied the queue and the socket accepted it all."""
@@ -473,5 +475,6 @@ class Delivery:
         self._stop_clocks()
         await self.stop_writer()
         self.stopped = True
+        self.live = False  # nor to a socket still attached: send() takes no direct path
         self.outbox.clear()
         self.log.clear()

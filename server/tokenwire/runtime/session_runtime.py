@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from websockets.asyncio.server import ServerConnection
+from websockets.frames import CloseCode
 
 from .. import metrics
 from ..config import ServerConfig
@@ -244,6 +245,8 @@ class SessionRuntime:
 
     def receive(self, frame: str | bytes, *, first: bool = False) -> SessionResume | None:
         """Take a client frame; returns a resume request made by the first one."""
+        if self.session.closed:
+            return None  # ended (or closing as slow): a late frame starts nothing
         try:
             obj = self.delivery.dialect.parse(frame)
         except ProtocolError as err:
@@ -460,6 +463,8 @@ class SessionRuntime:
         self.pump()
         await self.wait_generations()
         await self.delivery.stop()
+        # Still attached (a drain without Redis): nothing serves its frames now.
+        self.delivery.close_soon(CloseCode.GOING_AWAY, "")
         self.detached.set()
         self.log.info("session_closed")
 
