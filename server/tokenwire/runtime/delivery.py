@@ -6,7 +6,7 @@ high-water mark deltas are merged; above the hard cap (or when the writer
 has been blocked for `stall_s`) the owner pauses its generations, freeing
 their engine slots, and the socket stops reading from the client; once the
 client has read it all they resume. A client blocked for
-`slow_client_timeout_s` is closed with 4008.
+`slow_client_timeout_s` is closed with 4008; during a resume's replay too.
 
 While the client keeps up (its socket buffer empty, nothing queued) and the
 log is not durable, events skip the outbox and the writer task: they are
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 from websockets.protocol import State
 
 from ..core.outbox import Outbox
@@ -155,11 +155,11 @@ class Delivery:
         """Resend what came after last_seq, then go live; returns how many."""
         assert self.ws is not None
         self.sent_seq = last_seq
-        replayed = await self._send_logged(self.ws)
+        replayed = await self._send_logged(self.ws, paced=True)
         self.live = True
         return replayed
 
-    async def _send_logged(self, ws: ServerConnection) -> int:
+    async def _send_logged(self, ws: ServerConnection, *, paced: bool = False) -> int:
         """Send what the log holds after sent_seq; returns how many events.
         A durable log may be written meanwhile: read until caught up with it
         (the caller then goes on with no await in between)."""
@@ -171,11 +171,24 @@ class Delivery:
             if not frames:
                 break
             for seq, frame in frames:
-                for out in self.dialect.from_logged(frame):
-                    await ws.send(out)
+                if paced:
+                    await self._write_paced(ws, list(self.dialect.from_logged(frame)))
+                else:
+                    for out in self.dialect.from_logged(frame):
+                        await ws.send(out)
                 self.sent_seq = seq
                 sent += 1
         return sent
+
+    async def _write_paced(self, ws: ServerConnection, messages: list[Frame]) -> None:
+        """A replay's write: under the slow-client clocks (`ws.send`'s wait has none)."""
+        if ws.protocol.state is not _OPEN:
+            raise ConnectionClosedError(None, None)  # closed (as slow) meanwhile
+        write_messages(ws, messages)
+        if ws.transport.get_write_buffer_size() > self.pace.high_water:
+            self._arm_clocks()
+            await wait_buffer_below(ws, self.pace.high_water // 2)
+            self._stop_clocks()  # it reads; the writer sees to a pause once live
 
     def go_live(self) -> None:
         """A new session's socket: nothing to replay."""
@@ -315,6 +328,7 @@ class Delivery:
         # Free what it holds now; the close frame may never be read.
         self.outbox.clear()
         self._owner.slow_client()
+        self._stop_clocks()  # re-armed by the events that ended its responses; once is enough
         self.closed_for = "slow_client"
         self.close_soon(CLOSE_SLOW_CLIENT, "client is not reading")
 
