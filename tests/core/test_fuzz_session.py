@@ -24,7 +24,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from tokenwire.core.errors import ErrorCode, ProtocolError
-from tokenwire.core.events import AbortGeneration, Action, StartGeneration, StartTimer
+from tokenwire.core.events import AbortGeneration, Action, CancelTimer, StartGeneration, StartTimer
 from tokenwire.core.session import Session
 from tokenwire.engines.base import (
     ContextLengthExceeded,
@@ -284,6 +284,7 @@ class Harness:
     requests: dict[str, GenerationRequest] = field(default_factory=dict)
     stale: list[str] = field(default_factory=list)  # request ids that ended
     timers: list[tuple[str, int]] = field(default_factory=list)
+    armed: set[str] = field(default_factory=set)  # responses whose timer is not cancelled
     created: dict[str, str] = field(default_factory=dict)  # response id -> conversation
     done: Counter[str] = field(default_factory=Counter)
     waiting_tools: set[str] = field(default_factory=set)
@@ -330,12 +331,18 @@ class Harness:
             elif isinstance(action, StartTimer):
                 assert action.delay_s > 0
                 self.timers.append((action.response_id, action.token))
+                self.armed.add(action.response_id)
+            elif isinstance(action, CancelTimer):
+                assert action.response_id in self.armed, f"cancel of no timer: {action}"
+                self.armed.discard(action.response_id)
         for event in events:
             assert_wire_safe(event)
             self._track(event)
         # No engine slot runs for a response that is over.
         for rid, resp_id in self.live.items():
             assert resp_id in self.open_responses, f"request {rid} runs for finished {resp_id}"
+        # A tool timer runs only while its response waits for outputs.
+        assert self.armed <= self.waiting_tools, f"timers outlive their wait: {self.armed}"
         # No response is left hanging: it generates, waits for tools, or is paused.
         for resp_id in self.open_responses:
             assert (

@@ -398,3 +398,13 @@ def test_a_resume_frame_mid_session_is_not_counted(session: Session) -> None:
     events = drive(session, {"type": "session.resume", "session_id": session.id, "last_seq": 1})
     assert codes(events) == ["invalid_state"]
     assert session.client_events == 1
+
+
+def test_a_closed_session_ignores_client_events() -> None:
+    s = Session()
+    s.events_to_send()
+    s.close()
+    s.receive_client_event({"type": "response.create", "response": {}})
+    s.receive_client_event({"type": "nonsense"})
+    assert s.events_to_send() == [] and s.actions_to_perform() == []
+    assert not s.responses and s.client_events == 0

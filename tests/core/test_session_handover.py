@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tokenwire.core import snapshot as snapshots
-from tokenwire.core.events import AbortGeneration, StartGeneration, StartTimer
+from tokenwire.core.events import AbortGeneration, CancelTimer, StartGeneration, StartTimer
 from tokenwire.core.session import Session
 from tokenwire.core.tools import ToolFlow
 from tokenwire.engines.base import EngineDelta
@@ -82,7 +82,8 @@ def test_a_response_waiting_for_tools_waits_on_the_new_instance() -> None:
     assert r.resume() == []  # nothing was generating
     created = output(r, call_id, '{"sky": "sunny"}')
     assert types(created) == ["conversation.item.created"]
-    (cont,) = r.actions_to_perform()
+    cancel, cont = r.actions_to_perform()
+    assert cancel == CancelTimer(action.response_id)
     assert isinstance(cont, StartGeneration) and cont.response_id == action.response_id
     assert [m["role"] for m in cont.request.messages] == ["user", "assistant", "tool"]
     # A late timer from before the handover does nothing.

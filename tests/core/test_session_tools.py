@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tokenwire.core.conversation import render_messages
-from tokenwire.core.events import AbortGeneration, StartGeneration, StartTimer
+from tokenwire.core.events import AbortGeneration, CancelTimer, StartGeneration, StartTimer
 from tokenwire.core.session import Session
 from tokenwire.engines.base import ContextLengthExceeded, EngineDelta
 
@@ -54,7 +54,9 @@ def test_parallel_calls_wait_then_continue_in_any_order(session: Session) -> Non
     assert types(created) == ["conversation.item.created"]
     assert session.actions_to_perform() == []
     output(session, weather["call_id"], '{"sky": "sunny"}')
-    (cont,) = session.actions_to_perform()
+    # The wait is over: its timer goes, and the same response goes on.
+    cancel, cont = session.actions_to_perform()
+    assert cancel == CancelTimer(action.response_id)
     assert isinstance(cont, StartGeneration) and cont.response_id == action.response_id
     # A forced choice is not forced again; the results are in the prompt.
     assert cont.request.tool_choice == "none" and cont.request.tools is None
@@ -134,10 +136,22 @@ def test_bad_arguments_fail_the_response(session: Session, name: str, args: str,
 def test_steer_and_cancel_while_waiting_for_tools(session: Session) -> None:
     action = begin(session, tool_choice="required")
     call(session, action.request.request_id, 0, "get_time", "{}", finish="stop")
-    session.actions_to_perform()
+    (timer,) = session.actions_to_perform()
     assert codes(drive(session, {"type": "response.steer", "input": "hurry"})) == ["invalid_state"]
     events = drive(session, {"type": "response.cancel"})
     assert events[-1]["response"]["status"] == "cancelled"
+    # The cancel ends the wait: the tool timer is dropped, not left to run out.
+    assert session.actions_to_perform() == [CancelTimer(action.response_id)]
+    session.receive_timeout(action.response_id, timer.token)
+    assert session.events_to_send() == []
+
+
+def test_closing_the_session_drops_the_tool_timer(session: Session) -> None:
+    action = begin(session, tool_choice="required")
+    call(session, action.request.request_id, 0, "get_time", "{}", finish="stop")
+    session.actions_to_perform()
+    session.close()
+    assert session.actions_to_perform() == [CancelTimer(action.response_id)]
 
 
 def test_named_choice_must_exist(session: Session) -> None:
@@ -327,7 +341,8 @@ def test_a_tool_round_after_the_budget_is_spent_does_not_run(
     call_id = session.events_to_send()[0]["call_id"]
     session.actions_to_perform()  # the tool timer
     events = output(session, call_id, "sunny")
-    assert session.actions_to_perform() == []  # no generation with a cap of 0 (or 1)
+    # The wait is over; no generation with a cap of 0 (or 1).
+    assert session.actions_to_perform() == [CancelTimer(action.response_id)]
     assert types(events) == ["conversation.item.created", "response.done"]
     done = events[-1]["response"]
     assert done["usage"]["output_tokens"] == 3

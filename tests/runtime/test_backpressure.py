@@ -273,3 +273,34 @@ async def test_memory_bound_with_many_stalled_clients() -> None:
         finally:
             for ws in clients:
                 ws.transport.abort()
+
+
+@pytest.mark.parametrize(
+    "server",
+    [{"slow_client_timeout_s": 1.0, "resume_grace_s": 30.0, "resume_log_bytes": 4 << 20}],
+    indirect=True,
+)
+async def test_a_client_that_resumes_then_never_reads_is_closed(server: TokenwireServer) -> None:
+    """The replay is under the slow-client rule too: nothing else would ever
+    end a resumed socket that reads nothing (its idle timer starts after the
+    replay; its pings wait behind the same full buffer)."""
+    from tokenwire.runtime.session_runtime import RuntimeState
+
+    first = await raw_client(url_of(server))
+    sid = json.loads(await first.recv())["session"]["id"]
+    await stream(first, 1_000_000)
+    for _ in range(3000):  # the log holds far more than the socket buffers take
+        await first.recv()
+    first.transport.abort()
+    runtime = server.sessions[sid]
+    await until(lambda: runtime.state is RuntimeState.DETACHED, "the first socket detached")
+    # Paused at the hard cap: no new event arms the clocks during the replay.
+    await until(lambda: runtime.paused, "the generation paused")
+    ws = await raw_client(url_of(server))
+    await ws.recv()  # session.created; then it reads nothing more
+    await ws.send(json.dumps({"type": "session.resume", "session_id": sid, "last_seq": 1}))
+    await until(lambda: sid not in server.sessions, "the resumed session ended", timeout=20)
+    assert runtime.closed_for == "slow_client"
+    assert runtime.delivery.outbox.pending_bytes == 0 and not runtime.tasks
+    await until(lambda: not server.connections, "its socket closed")
+    ws.transport.abort()

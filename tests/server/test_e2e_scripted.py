@@ -280,3 +280,32 @@ async def test_a_bad_stream_interval_is_an_invalid_field(
         assert info.value.code == "invalid_field"
         assert info.value.error["param"] == "response.stream_interval"
         await assert_alive(tw)
+
+
+async def test_drained_without_redis_a_socket_starts_nothing_more() -> None:
+    """The drain ends the session with its socket still open: a frame sent
+    after that starts no response, and the socket is closed with 1001."""
+    from tokenwire.config import ServerConfig
+    from tokenwire.engines.scripted import ScriptedEngine
+    from tokenwire.server import TokenwireServer
+
+    config = ServerConfig(engine="scripted", port=0, drain_timeout_s=0.2)
+    srv = TokenwireServer(config, ScriptedEngine(tokens_per_s=200))
+    await srv.start()
+    try:
+        async with ws_connect(f"ws://127.0.0.1:{srv.port}/v1/realtime") as ws:
+            sid = json.loads(await ws.recv())["session"]["id"]
+            runtime = srv.sessions[sid]
+            await srv.drain()
+            request = {"type": "response.create", "response": {"max_output_tokens": 1000}}
+            with pytest.raises(ConnectionClosed):
+                await ws.send(json.dumps(request))
+                while True:  # session.going_away, then nothing but the close
+                    event = json.loads(await asyncio.wait_for(ws.recv(), 5))
+                    assert event["type"] == "session.going_away"
+            assert ws.close_code == 1001
+        assert not runtime.tasks and not runtime.session.active_responses
+        assert srv.engine.load().running == 0
+        assert srv.admission.limiter.usage("anonymous").responses == 0
+    finally:
+        await srv.close()

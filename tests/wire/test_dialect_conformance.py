@@ -89,7 +89,7 @@ def server_events() -> list[dict[str, Any]]:
             "item": {"type": "function_call_output", "call_id": call_id, "output": "sunny"},
         }
     )
-    (start,) = s.actions_to_perform()
+    (_, start) = s.actions_to_perform()  # the tool timer cancelled, then the continuation
     s.receive_engine_output(start.request.request_id, EngineDelta("Sunny.", 2, None, 20, 8))
     s.receive_client_event({"type": "response.steer", "input": "In French."})
     (_, start) = s.actions_to_perform()

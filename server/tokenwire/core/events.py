@@ -71,7 +71,14 @@ class StartTimer:
     delay_s: float
 
 
-Action = StartGeneration | AbortGeneration | StartTimer
+@dataclass(frozen=True, slots=True)
+class CancelTimer:
+    """The wait `StartTimer` timed is over: drop its timer (it may run an hour)."""
+
+    response_id: str
+
+
+Action = StartGeneration | AbortGeneration | StartTimer | CancelTimer
 
 
 class Outputs:

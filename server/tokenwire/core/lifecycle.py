@@ -26,7 +26,7 @@ from . import events as ev
 from . import schema as s
 from .conversation import Conversation, Item, render_messages
 from .errors import ErrorCode, ProtocolError, error_event
-from .events import AbortGeneration, Outputs, StartGeneration, StartTimer
+from .events import AbortGeneration, CancelTimer, Outputs, StartGeneration, StartTimer
 from .response import Response, ResponseStatus
 from .stages import CONTENT_FILTER
 from .tools import ToolFlow, check_arguments, engine_tools
@@ -196,11 +196,8 @@ class Lifecycle:
 
     def receive_timeout(self, response_id: str, token: int) -> None:
         resp = self.responses.get(response_id)
-        if (
-            resp is None
-            or resp.status is not ResponseStatus.REQUIRES_ACTION
-            or resp.wait_token != token
-        ):
+        waiting = (ResponseStatus.REQUIRES_ACTION, token)
+        if resp is None or (resp.status, resp.wait_token) != waiting:
             return  # outputs arrived, or the response ended, before the timer fired
         self.finish(
             resp, ResponseStatus.INCOMPLETE, {"type": "incomplete", "reason": "tool_timeout"}
@@ -423,6 +420,8 @@ class Lifecycle:
         self, resp: Response, status: ResponseStatus, details: dict[str, Any] | None
     ) -> None:
         completed = status is ResponseStatus.COMPLETED
+        if resp.status is ResponseStatus.REQUIRES_ACTION:
+            _end_wait(self._out, resp)
         self.close_text_item(resp, "completed" if completed else "incomplete")
         resp.drop_partial_calls(self.conversation)
         resp.pending_calls.clear()
@@ -462,7 +461,7 @@ class Lifecycle:
             if not resp.pending_calls:
                 # Every output is in: the same response goes on by itself.
                 resp.status = ResponseStatus.IN_PROGRESS
-                resp.wait_token += 1
+                _end_wait(self._out, resp)
                 if resp.tool_choice != "auto":
                     resp.tool_choice = "none"  # a forced call is made once, not forever
                 self.start_generation(resp)
@@ -470,3 +469,10 @@ class Lifecycle:
     def _response_for(self, request_id: str) -> Response | None:
         response_id = self._requests.get(request_id)
         return self.responses.get(response_id) if response_id else None
+
+
+def _end_wait(out: Outputs, resp: Response) -> None:
+    """The wait for tool outputs is over (outputs in, or the response ends):
+    its timer goes too, and a late one finds a stale token."""
+    resp.wait_token += 1
+    out.perform(CancelTimer(resp.id))

@@ -81,6 +81,53 @@ def check_priority(
         )
 
 
+def find_active(
+    lifecycle: Lifecycle, openai: bool, response_id: str | None, event_id: str | None, verb: str
+) -> Response:
+    """The response a cancel or steer names; without a name, the only one
+    (OpenAI: the conversation's)."""
+    if response_id is None:
+        active = lifecycle.active
+        conv = [r for r in active if r.in_conversation]
+        if openai and not conv:  # OpenAI: only the conversation's response
+            raise ProtocolError(
+                ErrorCode.RESPONSE_NOT_ACTIVE,
+                f"no active response in the conversation to {verb}; name a "
+                'conversation:"none" one with response_id',
+                event_id=event_id,
+            )
+        if len(conv) == 1 or len(active) == 1:
+            return conv[0] if conv else active[0]
+        if not active:
+            raise ProtocolError(
+                ErrorCode.RESPONSE_NOT_ACTIVE,
+                f"no active response to {verb}",
+                event_id=event_id,
+            )
+        raise ProtocolError(
+            ErrorCode.MISSING_FIELD,
+            f"several responses are active; name one with response_id to {verb}",
+            event_id=event_id,
+            param="response_id",
+        )
+    resp = lifecycle.responses.get(response_id)
+    if resp is not None:
+        return resp
+    if response_id in lifecycle.finished:
+        raise ProtocolError(
+            ErrorCode.RESPONSE_NOT_ACTIVE,
+            f"response {response_id} has already finished",
+            event_id=event_id,
+            param="response_id",
+        )
+    raise ProtocolError(
+        ErrorCode.UNKNOWN_RESPONSE,
+        f"no response {response_id!r} in this session",
+        event_id=event_id,
+        param="response_id",
+    )
+
+
 class Session:
     def __init__(
         self,
@@ -199,7 +246,10 @@ class Session:
 
     def receive_client_event(self, obj: Any, *, checked: bool = False) -> None:
         """Take one client event (internal schema, as a dialect parsed it; `checked`:
-        its values passed `check_values`); bad input becomes an `error` event."""
+        its values passed `check_values`); bad input becomes an `error` event.
+        A closed session ignores it: nothing may start once its responses are ended."""
+        if self.closed:
+            return
         self.client_events += 1
         try:
             try:
@@ -221,6 +271,8 @@ class Session:
     def receive_protocol_error(self, err: ProtocolError, *, frame: bool = True) -> None:
         """A frame the dialect could not parse; `frame=False` for an error
         about no frame of this session (a refused resume)."""
+        if self.closed:
+            return
         self.client_events += frame
         self._emit(err.to_event())
 
@@ -333,7 +385,7 @@ class Session:
         self.lifecycle.add(resp, request)
 
     def _on_response_cancel(self, ev_: s.ResponseCancel) -> None:
-        resp = self._find_active(ev_.response_id, ev_.event_id, "cancel")
+        resp = find_active(self.lifecycle, self._openai, ev_.response_id, ev_.event_id, "cancel")
         self.lifecycle.abort_current(resp)
         self.lifecycle.finish(
             resp, ResponseStatus.CANCELLED, {"type": "cancelled", "reason": "client_cancelled"}
@@ -341,7 +393,7 @@ class Session:
 
     def _on_response_steer(self, ev_: s.ResponseSteer) -> None:
         lifecycle = self.lifecycle
-        resp = self._find_active(ev_.response_id, ev_.event_id, "steer")
+        resp = find_active(self.lifecycle, self._openai, ev_.response_id, ev_.event_id, "steer")
         if resp.status is not ResponseStatus.IN_PROGRESS:
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,
@@ -426,48 +478,6 @@ class Session:
         self.closed = True
 
     # -- internals -------------------------------------------------------------
-
-    def _find_active(self, response_id: str | None, event_id: str | None, verb: str) -> Response:
-        if response_id is None:
-            active = self.active_responses
-            conv = [r for r in active if r.in_conversation]
-            if self._openai and not conv:  # OpenAI: only the conversation's response
-                raise ProtocolError(
-                    ErrorCode.RESPONSE_NOT_ACTIVE,
-                    f"no active response in the conversation to {verb}; name a "
-                    'conversation:"none" one with response_id',
-                    event_id=event_id,
-                )
-            if len(conv) == 1 or len(active) == 1:
-                return conv[0] if conv else active[0]
-            if not active:
-                raise ProtocolError(
-                    ErrorCode.RESPONSE_NOT_ACTIVE,
-                    f"no active response to {verb}",
-                    event_id=event_id,
-                )
-            raise ProtocolError(
-                ErrorCode.MISSING_FIELD,
-                f"several responses are active; name one with response_id to {verb}",
-                event_id=event_id,
-                param="response_id",
-            )
-        resp = self.lifecycle.responses.get(response_id)
-        if resp is not None:
-            return resp
-        if response_id in self.lifecycle.finished:
-            raise ProtocolError(
-                ErrorCode.RESPONSE_NOT_ACTIVE,
-                f"response {response_id} has already finished",
-                event_id=event_id,
-                param="response_id",
-            )
-        raise ProtocolError(
-            ErrorCode.UNKNOWN_RESPONSE,
-            f"no response {response_id!r} in this session",
-            event_id=event_id,
-            param="response_id",
-        )
 
     def _emit(self, event: dict[str, Any], event_id: str | None = None) -> None:
         self._out.emit(event, event_id)

@@ -6,7 +6,7 @@ high-water mark deltas are merged; above the hard cap (or when the writer
 has been blocked for `stall_s`) the owner pauses its generations, freeing
 their engine slots, and the socket stops reading from the client; once the
 client has read it all they resume. A client blocked for
-`slow_client_timeout_s` is closed with 4008.
+`slow_client_timeout_s` is closed with 4008; during a resume's replay too.
 
 While the client keeps up (its socket buffer empty, nothing queued) and the
 log is not durable, events skip the outbox and the writer task: they are
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 from websockets.protocol import State
 
 from ..core.outbox import Outbox
@@ -33,7 +33,7 @@ from ..storage.eventlog import EventLog, Fenced, Frame, LogState
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_SLOW_CLIENT
 from .flag import Flag
-from .ws import close_or_abort, unless_closed, write_messages
+from .ws import close_or_abort, wait_buffer_below, write_messages
 
 _OPEN = State.OPEN  # per token: a lookup through the enum class takes 9x as long
 
@@ -155,11 +155,11 @@ class Delivery:
         """Resend what came after last_seq, then go live; returns how many."""
         assert self.ws is not None
         self.sent_seq = last_seq
-        replayed = await self._send_logged(self.ws)
+        replayed = await self._send_logged(self.ws, paced=True)
         self.live = True
         return replayed
 
-    async def _send_logged(self, ws: ServerConnection) -> int:
+    async def _send_logged(self, ws: ServerConnection, *, paced: bool = False) -> int:
         """Send what the log holds after sent_seq; returns how many events.
         A durable log may be written meanwhile: read until caught up with it
         (the caller then goes on with no await in between)."""
@@ -171,11 +171,24 @@ class Delivery:
             if not frames:
                 break
             for seq, frame in frames:
-                for out in self.dialect.from_logged(frame):
-                    await ws.send(out)
+                if paced:
+                    await self._write_paced(ws, list(self.dialect.from_logged(frame)))
+                else:
+                    for out in self.dialect.from_logged(frame):
+                        await ws.send(out)
                 self.sent_seq = seq
                 sent += 1
         return sent
+
+    async def _write_paced(self, ws: ServerConnection, messages: list[Frame]) -> None:
+        """A replay's write: under the slow-client clocks (`ws.send`'s wait has none)."""
+        if ws.protocol.state is not _OPEN:
+            raise ConnectionClosedError(None, None)  # closed (as slow) meanwhile
+        write_messages(ws, messages)
+        if ws.transport.get_write_buffer_size() > self.pace.high_water:
+            self._arm_clocks()
+            await wait_buffer_below(ws, self.pace.high_water // 2)
+            self._stop_clocks()  # it reads; the writer sees to a pause once live
 
     def go_live(self) -> None:
         """A new session's socket: nothing to replay."""
@@ -315,11 +328,14 @@ class Delivery:
         # Free what it holds now; the close frame may never be read.
         self.outbox.clear()
         self._owner.slow_client()
+        self._stop_clocks()  # re-armed by the events that ended its responses; once is enough
         self.closed_for = "slow_client"
-        if self.ws is not None:
-            self._closer = asyncio.get_running_loop().create_task(
-                close_or_abort(self.ws, CLOSE_SLOW_CLIENT, "client is not reading")
-            )
+        self.close_soon(CLOSE_SLOW_CLIENT, "client is not reading")
+
+    def close_soon(self, code: int, reason: str) -> None:
+        """Close the attached socket in a task: the client may never answer."""
+        if self.ws is not None and self._closer is None:
+            self._closer = asyncio.create_task(close_or_abort(self.ws, code, reason))
 
     def _caught_up(self) -> None:
         """The writer emptied the queue and the socket accepted it all."""
@@ -328,22 +344,6 @@ class Delivery:
         if self.paused:
             self.paused = False
             self._owner.caught_up()
-
-    async def wait_socket_below(self, low: int) -> None:
-        """Wait, without polling, until the socket's write buffer is at most `low`."""
-        assert self.ws is not None
-        transport = self.ws.transport
-        if transport is None or transport.get_write_buffer_size() <= low:
-            return
-        # Lowering the transport's limits pauses the protocol now and resumes
-        # it once the buffer falls to `low`; websockets' drain() waits for that.
-        limits = transport.get_write_buffer_limits()  # (low, high)
-        transport.set_write_buffer_limits(high=low, low=low)
-        try:
-            await unless_closed(self.ws, self.ws.drain())
-        finally:
-            if not transport.is_closing():
-                transport.set_write_buffer_limits(high=limits[1], low=limits[0])
 
     # -- the writer task ---------------------------------------------------------
 
@@ -378,7 +378,7 @@ class Delivery:
                     if self.behind():
                         # The queue is empty, but the socket may still hold what
                         # the client has not read: wait until it has.
-                        await self.wait_socket_below(self.pace.high_water // 2)
+                        await wait_buffer_below(ws, self.pace.high_water // 2)
                         if len(self.outbox):
                             self._wakeup.set()  # events queued meanwhile: send them first
                             continue
@@ -482,12 +482,13 @@ class Delivery:
         if self.live and self.ws is not None:
             # Let the socket take the last frames before the close.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.wait_socket_below(0), 1)
+                await asyncio.wait_for(wait_buffer_below(self.ws, 0), 1)
 
     async def stop(self) -> None:
         """The session ended: nothing more goes anywhere."""
         self._stop_clocks()
         await self.stop_writer()
         self.stopped = True
+        self.live = False  # nor to a socket still attached: send() takes no direct path
         self.outbox.clear()
         self.log.clear()

@@ -20,12 +20,13 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from websockets.asyncio.server import ServerConnection
+from websockets.frames import CloseCode
 
 from .. import metrics
 from ..config import ServerConfig
 from ..core import events as ev
 from ..core.errors import ErrorCode, ProtocolError
-from ..core.events import AbortGeneration, StartGeneration, StartTimer
+from ..core.events import AbortGeneration, CancelTimer, StartGeneration, StartTimer
 from ..core.lifecycle import Quota
 from ..core.schema import SessionResume, parse_client_event
 from ..core.session import Session, SessionLimits
@@ -244,6 +245,8 @@ class SessionRuntime:
 
     def receive(self, frame: str | bytes, *, first: bool = False) -> SessionResume | None:
         """Take a client frame; returns a resume request made by the first one."""
+        if self.session.closed:
+            return None  # ended (or closing as slow): a late frame starts nothing
         try:
             obj = self.delivery.dialect.parse(frame)
         except ProtocolError as err:
@@ -375,6 +378,10 @@ class SessionRuntime:
                 self._timers[action.response_id] = asyncio.get_running_loop().call_later(
                     action.delay_s, self._timeout, action.response_id, action.token
                 )
+            elif isinstance(action, CancelTimer):
+                timer = self._timers.pop(action.response_id, None)
+                if timer is not None:
+                    timer.cancel()
         events = self.session.events_to_send()
         if events:
             for event in events:
@@ -456,6 +463,8 @@ class SessionRuntime:
         self.pump()
         await self.wait_generations()
         await self.delivery.stop()
+        # Still attached (a drain without Redis): nothing serves its frames now.
+        self.delivery.close_soon(CloseCode.GOING_AWAY, "")
         self.detached.set()
         self.log.info("session_closed")
 

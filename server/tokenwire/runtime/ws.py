@@ -1,5 +1,5 @@
-"""Two waits on a websockets connection that the socket and delivery share,
-and the server's data frames, framed here for the per-token path."""
+"""Waits on a websockets connection that the socket and delivery share, and
+the server's data frames, framed here for the per-token path."""
 
 from __future__ import annotations
 
@@ -26,6 +26,23 @@ async def unless_closed(ws: ServerConnection, awaitable: Awaitable[Any]) -> None
         closed.cancel()
     if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
         raise ConnectionClosedError(None, None) from waiter.exception()
+
+
+async def wait_buffer_below(ws: ServerConnection, low: int) -> None:
+    """Wait, without polling, until the socket's write buffer is at most `low`
+    (or the socket goes away)."""
+    transport = ws.transport
+    if transport is None or transport.get_write_buffer_size() <= low:
+        return
+    # Lowering the transport's limits pauses the protocol now and resumes
+    # it once the buffer falls to `low`; websockets' drain() waits for that.
+    limits = transport.get_write_buffer_limits()  # (low, high)
+    transport.set_write_buffer_limits(high=low, low=low)
+    try:
+        await unless_closed(ws, ws.drain())
+    finally:
+        if not transport.is_closing():
+            transport.set_write_buffer_limits(high=limits[1], low=limits[0])
 
 
 async def close_or_abort(ws: ServerConnection, code: int, reason: str) -> None:

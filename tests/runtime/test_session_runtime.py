@@ -1,0 +1,77 @@
+"""A session runtime's own resources over its life, on a socket without a
+network (helpers.socket): tool timers, and what an ended session still does."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tokenwire.config import ServerConfig
+from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.runtime.session_runtime import SessionRuntime
+from tokenwire.wire import dialect_for
+
+from ..helpers.socket import open_socket, sent_events, types_sent
+from ..helpers.tools import TIME
+from ..helpers.wait import until
+
+
+@pytest.fixture
+async def runtime() -> AsyncIterator[SessionRuntime]:
+    subprotocol = "tokenwire.v1.json"  # tool flow: requires_action, then outputs
+    config = ServerConfig(engine="scripted", max_events_per_s=0)
+    rt = SessionRuntime(ScriptedEngine(), config, subprotocol=subprotocol)
+    rt.attach(open_socket(), dialect_for(subprotocol))  # type: ignore[arg-type]
+    rt.go_live()
+    yield rt
+    await rt.end()
+
+
+def send(rt: SessionRuntime, event: dict) -> None:
+    rt.receive(json.dumps(event))
+
+
+async def wait_tools(rt: SessionRuntime, n: int) -> str:
+    """Ask for a forced call; returns its call id once `n` responses wait for outputs."""
+    hi = [{"type": "message", "role": "user", "content": "hi"}]
+    send(rt, {"type": "response.create", "response": {"conversation": "none", "input": hi}})
+    await until(lambda: types_sent(rt.ws).count("response.requires_action") == n, "requires_action")
+    return [e for e in sent_events(rt.ws) if e["type"] == "response.requires_action"][-1][
+        "call_ids"
+    ][0]
+
+
+async def test_tool_timers_end_with_the_wait(runtime: SessionRuntime) -> None:
+    rt = runtime
+    send(rt, {"type": "session.update", "session": {"tools": [TIME], "tool_choice": "required"}})
+    send(rt, {"type": "session.update", "session": {"tool_timeout_s": 3600}})
+    for n in range(1, 4):  # cancelled while waiting: the timer goes with the response
+        await wait_tools(rt, n)
+        assert len(rt._timers) == 1
+        send(rt, {"type": "response.cancel"})
+        assert types_sent(rt.ws)[-1] == "response.done"
+        assert rt._timers == {}
+    # Outputs in: the wait is over and the response goes on, without its timer.
+    call_id = await wait_tools(rt, 4)
+    item = {"type": "function_call_output", "call_id": call_id, "output": "noon"}
+    send(rt, {"type": "conversation.item.create", "item": item})
+    assert rt._timers == {} and rt.session.active_responses
+    await until(lambda: types_sent(rt.ws).count("response.done") == 4, "the answer")
+    assert rt._timers == {}
+
+
+async def test_an_ended_session_serves_its_socket_no_more(runtime: SessionRuntime) -> None:
+    """A drain without Redis ends sessions whose sockets are still open."""
+    rt, ws = runtime, runtime.ws
+    await rt.end()
+    await until(lambda: ws.close_code == 1001, "the socket closed: going away")
+    written = len(ws.transport.written)
+    send(rt, {"type": "response.create", "response": {"max_output_tokens": 50}})
+    rt.receive("{")  # not even an error answers
+    assert not rt.tasks and not rt.session.active_responses
+    assert len(ws.transport.written) == written
+    # Were anything still to come out, it would not reach the socket.
+    rt.delivery.send([{"type": "error"}])
+    assert len(ws.transport.written) == written
