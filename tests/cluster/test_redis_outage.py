@@ -121,8 +121,8 @@ async def test_a_redis_outage_during_a_resume_ends_the_fresh_session(
         assert await closed_with(ws) == (1013, STORE_UNAVAILABLE)
         # Its client never used it: it ends now, not after the 60 s grace period.
         await until(lambda: fresh not in server.sessions, "the fresh session ended")
+        await until(lambda: not server.admission.limiter.keys, "the key's usage record is gone")
         assert server.health()["connections"] == 0
-        assert not server.admission.limiter.keys
 
 
 async def test_a_drain_ends_on_time_when_redis_is_gone(own_redis: OwnRedis) -> None:
@@ -136,7 +136,7 @@ async def test_a_drain_ends_on_time_when_redis_is_gone(own_redis: OwnRedis) -> N
         code, reason = await closed_with(ws)
         assert (code, reason) == (CLOSE_SERVICE_RESTART, "draining; resume the session")
         assert sid not in server.sessions
-        assert not server.admission.limiter.keys
+        await until(lambda: not server.admission.limiter.keys, "the key's usage record is gone")
 
 
 async def test_a_socket_lost_during_a_drain_is_handed_over(redis_server: RedisServer) -> None:
@@ -172,4 +172,48 @@ async def test_a_socket_lost_during_a_drain_is_handed_over(redis_server: RedisSe
             assert event["type"] != "error", event
         assert event["response"]["status"] == "completed"
         assert event["response"]["usage"]["output_tokens"] == 200
+        await ws.close()
+
+
+async def test_a_redis_failure_during_a_replay_keeps_the_session_being_resumed(
+    own_redis: OwnRedis,
+) -> None:
+    """Redis fails while the log is read for a replay: the client is told to
+    retry (1013), and the session it resumes stays for that retry, even one
+    whose client never sent an event (it was ended and dropped)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from tokenwire.runtime.session_runtime import RuntimeState
+
+    async with serving(own_redis.url, resume_grace_s=60) as running:
+        server = running.server
+        first = await open_ws(running.url)
+        sid = (await recv(first))["session"]["id"]
+        first.transport.abort()  # its network drops; its client sent nothing
+        runtime = server.sessions[sid]
+        await until(lambda: runtime.state is RuntimeState.DETACHED, "the socket detached")
+        log = runtime.delivery.log
+        read = log.read
+
+        async def failing(after: int) -> list:
+            raise RedisConnectionError("injected: Redis went away mid-replay")
+
+        log.read = failing  # type: ignore[method-assign]
+        ws = await open_ws(running.url)
+        await recv(ws)  # its own session.created
+        await ws.send(json.dumps({"type": "session.resume", "session_id": sid, "last_seq": 0}))
+        assert await closed_with(ws) == (1013, STORE_UNAVAILABLE)
+        await until(lambda: server.health()["connections"] == 0, "the socket is gone")
+        assert server.sessions.get(sid) is runtime
+        assert runtime.state is RuntimeState.DETACHED
+        assert await server.store.meta(sid) is not None  # type: ignore[union-attr]
+        # Redis is back: the client's retry resumes it.
+        log.read = read  # type: ignore[method-assign]
+        ws = await open_ws(running.url)
+        await recv(ws)
+        await ws.send(json.dumps({"type": "session.resume", "session_id": sid, "last_seq": 0}))
+        events = [await recv(ws)]
+        while events[-1]["type"] != "session.resumed":
+            events.append(await recv(ws))
+        assert events[0]["type"] == "session.created" and events[0]["session"]["id"] == sid
         await ws.close()

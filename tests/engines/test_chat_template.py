@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from tokenwire.core.events import StartGeneration
 from tokenwire.core.session import Session
+from tokenwire.engines.base import ConversationRefused
 from tokenwire.engines.chat_template import ChatTemplate
 from tokenwire.models import prepare_default_model
 
@@ -21,14 +25,19 @@ STRICT = (
 )
 
 
-def test_a_template_that_refuses_the_conversation_is_an_error_event() -> None:
-    """SmolLM2's real tokenizer, with a strict template: a refused conversation
-    is answered with invalid_state and the session goes on."""
+def strict_template() -> tuple[Any, ChatTemplate]:
+    """SmolLM2's real tokenizer, with the strict template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
     tokenizer.chat_template = STRICT
-    template = ChatTemplate(tokenizer)
+    return tokenizer, ChatTemplate(tokenizer)
+
+
+def test_a_template_that_refuses_the_conversation_is_an_error_event() -> None:
+    """SmolLM2's real tokenizer, with a strict template: a refused conversation
+    is answered with invalid_state and the session goes on."""
+    tokenizer, template = strict_template()
 
     def preflight(request: Any) -> tuple[int, ...]:
         return tuple(template.prompt_ids(request, 2048))
@@ -53,3 +62,26 @@ def test_a_template_that_refuses_the_conversation_is_an_error_event() -> None:
             "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
         )
     )
+
+
+def test_a_refusal_when_the_generation_starts_fails_the_response_with_invalid_state() -> None:
+    """No preflight ran (vLLM still loading at create): the engine meets the
+    template's refusal when the generation starts, and the response ends
+    failed with the same code and message as a refused create."""
+    _, template = strict_template()
+    s = Session()  # no preflight, as while the engine loads
+    s.events_to_send()
+    for text in ("Hello", "Are you there?"):
+        item = {"type": "message", "role": "user", "content": text}
+        drive(s, {"type": "conversation.item.create", "item": item})
+    drive(s, {"type": "response.create", "event_id": "r"})
+    (start,) = s.actions_to_perform()
+    assert isinstance(start, StartGeneration)
+    with pytest.raises(ConversationRefused) as refused:
+        template.prompt_ids(start.request, 2048)  # what the engine does first
+    s.receive_engine_error(start.request.request_id, refused.value)
+    events = s.events_to_send()
+    assert codes(events) == ["invalid_state"]
+    assert "roles must alternate" in events[0]["error"]["message"]
+    assert events[-1]["type"] == "response.done"
+    assert events[-1]["response"]["status"] == "failed"

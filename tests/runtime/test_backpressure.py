@@ -21,7 +21,7 @@ from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.server import TokenwireServer
 from tokenwire.wire.close_codes import CLOSE_SLOW_CLIENT
 
-from ..conftest import http_json, rss_kib, spawn_server
+from ..conftest import RedisServer, http_json, rss_kib, spawn_server
 from ..helpers.wait import until
 from ..helpers.wire import expected, raw_client
 
@@ -275,15 +275,43 @@ async def test_memory_bound_with_many_stalled_clients() -> None:
                 ws.transport.abort()
 
 
-@pytest.mark.parametrize(
-    "server",
-    [{"slow_client_timeout_s": 1.0, "resume_grace_s": 30.0, "resume_log_bytes": 4 << 20}],
-    indirect=True,
-)
+RESUMED_SLOW = {"slow_client_timeout_s": 1.0, "resume_grace_s": 30.0, "resume_log_bytes": 4 << 20}
+
+
+@pytest.mark.parametrize("server", [RESUMED_SLOW], indirect=True)
 async def test_a_client_that_resumes_then_never_reads_is_closed(server: TokenwireServer) -> None:
     """The replay is under the slow-client rule too: nothing else would ever
     end a resumed socket that reads nothing (its idle timer starts after the
     replay; its pings wait behind the same full buffer)."""
+    await resume_and_never_read(server)
+
+
+async def test_with_redis_a_client_that_resumes_then_never_reads_is_closed(
+    redis_server: RedisServer,
+) -> None:
+    """The same with a durable log, where the generation goes on into the log
+    while no socket is attached and during the replay: the events it makes
+    must not restart the replay's clocks (they did, so the socket was never
+    closed)."""
+    config = ServerConfig(
+        engine="scripted",
+        port=0,
+        scripted_tokens_per_s=4000,
+        redis_url=redis_server.url,
+        **{**SMALL, **RESUMED_SLOW},  # type: ignore[arg-type]
+    )
+    srv = TokenwireServer(config, ScriptedEngine(tokens_per_s=config.scripted_tokens_per_s))
+    await srv.start()
+    try:
+        await resume_and_never_read(srv)
+    finally:
+        await srv.close()
+
+
+async def resume_and_never_read(server: TokenwireServer) -> None:
+    """A client reads part of an endless response and drops; another socket
+    resumes the session from the start and reads nothing: it is closed as slow
+    and the session ends."""
     from tokenwire.runtime.session_runtime import RuntimeState
 
     first = await raw_client(url_of(server))
@@ -294,8 +322,9 @@ async def test_a_client_that_resumes_then_never_reads_is_closed(server: Tokenwir
     first.transport.abort()
     runtime = server.sessions[sid]
     await until(lambda: runtime.state is RuntimeState.DETACHED, "the first socket detached")
-    # Paused at the hard cap: no new event arms the clocks during the replay.
-    await until(lambda: runtime.paused, "the generation paused")
+    if not runtime.delivery.log.durable:
+        # Paused at the hard cap: no new event arms the clocks during the replay.
+        await until(lambda: runtime.paused, "the generation paused")
     ws = await raw_client(url_of(server))
     await ws.recv()  # session.created; then it reads nothing more
     await ws.send(json.dumps({"type": "session.resume", "session_id": sid, "last_seq": 1}))

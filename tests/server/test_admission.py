@@ -137,6 +137,24 @@ def test_a_keys_record_outlives_its_sockets_while_it_holds_anything() -> None:
     assert "k" not in limiter.keys
 
 
+def test_a_key_left_in_debt_is_dropped_once_paid_back() -> None:
+    """Its last socket went while it owed tokens, and it never came back: the
+    next key to arrive after the debt is paid sweeps its record away."""
+    from tokenwire.core.limits import TokenBucket
+
+    limiter = Limiter(8, 10.0)
+    now = [0.0]
+    usage = limiter.usage("gone")
+    usage.tokens = TokenBucket(10.0, 20.0, clock=lambda: now[0])
+    usage.spend_tokens(100)
+    limiter.forget_idle("gone")  # its last socket closed, in debt: kept
+    limiter.usage("other")
+    assert limiter.keys.get("gone") is usage  # still owed
+    now[0] = 100.0
+    limiter.usage("other")
+    assert "gone" not in limiter.keys
+
+
 async def test_a_session_awaiting_resume_shares_its_keys_response_limit() -> None:
     import asyncio
     import json

@@ -19,6 +19,7 @@ from tokenwire.server import memory
 from tokenwire.server.memory import Reclaimer
 
 from ..conftest import _scripted_server
+from ..helpers.wait import until
 
 
 @pytest.fixture
@@ -151,9 +152,7 @@ async def test_a_server_reclaims_after_a_wave_and_open_sessions_go_on() -> None:
                     await ws.recv()
             # The reclaim runs once the wave has been quiet a while: wait for it
             # (a loaded machine may take longer than the quiet period).
-            async with asyncio.timeout(10):
-                while not (reclaimer.reclaims and trim.idle):
-                    await asyncio.sleep(0.02)
+            await until(lambda: reclaimer.reclaims and trim.idle, "the wave's reclaim", every=0.02)
             assert reclaimer.reclaims >= 1 and trim.calls
             assert len(running.server.connections) == 1  # the tables kept the open one
             assert trim.idle

@@ -14,12 +14,12 @@ from typing import Any, Protocol
 
 from ..engines.base import (
     ContextLengthExceeded,
+    ConversationRefused,
     EngineCapabilities,
     EngineDelta,
     EngineError,
     EngineUnavailable,
     GenerationRequest,
-    RequestError,
     ToolCallDelta,
 )
 from . import events as ev
@@ -46,9 +46,12 @@ class Quota(Protocol):
 
 def error_code(exc: EngineError) -> ErrorCode:
     """The wire code for an engine failure: a dead engine, a request that
-    cannot fit, or anything else the engine did wrong."""
+    cannot fit, a conversation the chat template refuses, or anything else
+    the engine did wrong."""
     if isinstance(exc, ContextLengthExceeded):
         return ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    if isinstance(exc, ConversationRefused):
+        return ErrorCode.INVALID_STATE
     if isinstance(exc, EngineUnavailable):
         return ErrorCode.ENGINE_UNAVAILABLE
     return ErrorCode.ENGINE_ERROR
@@ -297,10 +300,7 @@ class Lifecycle:
             rendered = self._preflight(request)
         except EngineError as exc:
             # Refused before any engine work: the conversation cannot run as it is.
-            code = error_code(exc)
-            if type(exc) is RequestError:
-                code = ErrorCode.INVALID_STATE
-            raise ProtocolError(code, exc.message, event_id=event_id) from None
+            raise ProtocolError(error_code(exc), exc.message, event_id=event_id) from None
         return request if rendered is None else replace(request, rendered=rendered)
 
     def start_generation(

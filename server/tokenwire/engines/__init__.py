@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from .base import (
     ContextLengthExceeded,
+    ConversationRefused,
     Engine,
     EngineCapabilities,
     EngineDelta,
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ContextLengthExceeded",
+    "ConversationRefused",
     "Engine",
     "EngineCapabilities",
     "EngineDelta",

@@ -117,6 +117,11 @@ class ContextLengthExceeded(RequestError):
     """The prompt does not fit the model's context."""
 
 
+class ConversationRefused(RequestError):
+    """The model's chat template refuses the conversation's shape (strict
+    templates want user and assistant turns to alternate)."""
+
+
 class Engine(Protocol):
     name: str
     capabilities: EngineCapabilities

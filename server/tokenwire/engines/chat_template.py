@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .base import ContextLengthExceeded, GenerationRequest, RequestError
+from .base import ContextLengthExceeded, ConversationRefused, GenerationRequest
 
 
 class ChatTemplate:
@@ -60,7 +60,7 @@ class ChatTemplate:
         except TemplateError as exc:
             # Templates refuse shapes the model was not trained on (roles that
             # do not alternate, a system turn): the conversation's, not ours.
-            raise RequestError(
+            raise ConversationRefused(
                 f"the model's chat template refused the conversation: {exc}"
             ) from None
 

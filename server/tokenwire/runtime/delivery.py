@@ -203,6 +203,8 @@ class Delivery:
             await self.stop_writer()
         self._stop_clocks()
         self.ws = None
+        if self.log.durable:
+            self._wake()  # what a dead socket (or replay) paused goes on into the log
 
     async def close_socket(self, code: int, reason: str) -> None:
         if self.ws is not None:
@@ -372,8 +374,14 @@ class Delivery:
                     await self._write_queued()
                     ws = self.ws if self.live else None
                     if ws is None:
-                        if self.log.durable and (self.paused or not self.drained.is_set()):
-                            self._caught_up()  # the log took it all: generate on
+                        # No socket: the log took it all, generate on. A socket
+                        # in its replay has not caught up: its clocks stay on.
+                        if (
+                            self.log.durable
+                            and self.ws is None
+                            and (self.paused or not self.drained.is_set())
+                        ):
+                            self._caught_up()
                         continue
                     if self.behind():
                         # The queue is empty, but the socket may still hold what

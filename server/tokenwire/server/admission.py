@@ -245,8 +245,13 @@ class Limiter:
         self.tokens_per_s = tokens_per_s_per_key
         self.key_store = key_store
         self.keys: dict[str, KeyUsage] = {}
+        # Idle keys kept only for their token debt: dropped once it is paid.
+        self._in_debt: set[str] = set()
 
     def usage(self, key_id: str) -> KeyUsage:
+        if self._in_debt:
+            for idle in list(self._in_debt):
+                self.forget_idle(idle)
         usage = self.keys.get(key_id)
         if usage is None:
             bucket = None
@@ -265,15 +270,14 @@ class Limiter:
         """Drop a key's record once a fresh one would be the same: no socket,
         no session (one awaiting a resume holds it too: its key's sessions
         share one record) and no token debt (else reconnecting forgives it)."""
+        self._in_debt.discard(key_id)
         usage = self.keys.get(key_id)
-        if (
-            usage is not None
-            and usage.connections == 0
-            and usage.responses == 0
-            and usage.sessions == 0
-            and (usage.tokens is None or usage.tokens.full())
-        ):
+        if usage is None or usage.connections or usage.responses or usage.sessions:
+            return
+        if usage.tokens is None or usage.tokens.full():
             del self.keys[key_id]
+        else:
+            self._in_debt.add(key_id)  # the next key's arrival looks again
 
 
 def unauthorized(message: str) -> Response:

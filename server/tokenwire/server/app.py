@@ -248,8 +248,10 @@ class TokenwireServer:
         except Exception as exc:
             await _failed(ws, exc)
             if isinstance(runtime, SessionRuntime) and runtime.state in _OURS:
-                # A session its client never used (a failed resume's fresh one) ends.
-                await self._release(runtime, "lost" if runtime.session.client_events else "ended")
+                # A session being resumed stays for its client's next try; the
+                # socket's own fresh one ends if its client never used it.
+                used = resume_from is not None or runtime.session.client_events
+                await self._release(runtime, "lost" if used else "ended")
             return
         if isinstance(runtime, SessionRuntime):
             await self._release(runtime, outcome)
