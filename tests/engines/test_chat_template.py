@@ -85,3 +85,25 @@ def test_a_refusal_when_the_generation_starts_fails_the_response_with_invalid_st
     assert "roles must alternate" in events[0]["error"]["message"]
     assert events[-1]["type"] == "response.done"
     assert events[-1]["response"]["status"] == "failed"
+
+
+def test_a_tokenizer_without_a_template_fails_the_request_not_the_session() -> None:
+    """transformers raises a plain ValueError when the tokenizer has no chat
+    template: the create is refused with an error event (it escaped the
+    session, and the socket was closed with 1011)."""
+    tokenizer, template = strict_template()
+    tokenizer.chat_template = None
+
+    def preflight(request: Any) -> tuple[int, ...]:
+        return tuple(template.prompt_ids(request, 2048))
+
+    s = Session(preflight=preflight)
+    s.events_to_send()
+    item = {"type": "message", "role": "user", "content": "Hello"}
+    drive(s, {"type": "conversation.item.create", "item": item})
+    events = drive(s, {"type": "response.create", "event_id": "r"})
+    assert codes(events) == ["engine_error"]
+    assert "chat template could not render" in events[0]["error"]["message"]
+    assert s.actions_to_perform() == []
+    update = {"type": "session.update", "session": {"instructions": "Be brief."}}
+    assert [e["type"] for e in drive(s, update)] == ["session.updated"]  # it goes on

@@ -256,6 +256,9 @@ async def test_closing_the_stream_frees_the_engine(engine: Engine) -> None:
     first = await anext(stream)
     assert first.finish_reason is None
     await stream.aclose()
+    # Its own books let the request go at once (vLLM's output processor, the
+    # gateway's count), not once a generator left behind is collected.
+    assert engine.load().extra.get("unfinished", 0) == 0
     await until_idle(engine, "after aclose()")
 
 
@@ -274,6 +277,41 @@ async def test_cancelling_the_consuming_task_frees_the_engine(engine: Engine) ->
     with pytest.raises(asyncio.CancelledError):
         await task
     await until_idle(engine, "after cancel")
+
+
+@pytest.mark.vllm
+async def test_an_engine_whose_process_died_is_unavailable_and_not_ready() -> None:
+    """vLLM's engine process killed under a running engine: what is in flight
+    and what comes after fail as engine_unavailable, and the engine no longer
+    reports ready (/readyz), with a failure that says what to do."""
+    import signal
+
+    import psutil
+
+    from tokenwire.engines.vllm import DIED, VllmEngine
+
+    engine = VllmEngine(
+        ServerConfig(
+            engine="vllm", kv_cache_gib=1.0, max_model_len=2048, vllm_args=("--enforce-eager",)
+        )
+    )
+    await engine.start()
+    try:
+        assert engine.ready and engine.failure is None
+        stream = engine.generate(request("Count to a thousand.", max_output_tokens=2000))
+        await anext(stream)
+        for child in psutil.Process().children(recursive=True):
+            if child.name().startswith("VLLM::"):
+                child.send_signal(signal.SIGKILL)
+        with pytest.raises(EngineUnavailable, match="restart tokenwire"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineUnavailable):
+            await collect(engine, request())
+        assert not engine.ready
+        assert engine.failure == DIED
+    finally:
+        await engine.close()
 
 
 @pytest.mark.vllm

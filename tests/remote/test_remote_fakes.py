@@ -310,6 +310,15 @@ def test_chunks_and_errors_are_classified() -> None:
     assert isinstance(error_for(502, "", "http://x"), ReplicaFailed)
     assert isinstance(error_for(429, "", "http://x"), EngineUnavailable)
     assert type(error_for(400, '{"error": {"message": "no"}}', "http://x")) is RequestError
+    # Chunks of the wrong shape fail the attempt, so another replica is tried.
+    for wrong in (
+        {"error": {"code": "oops"}},
+        {"choices": ["text"]},
+        {"usage": {"prompt_tokens_details": 5}},
+        {"choices": [{"token_ids": 7}]},
+    ):
+        with pytest.raises(ReplicaFailed, match="malformed chunk"):
+            parse_chunk(json.dumps(wrong), "http://x")
 
 
 def test_sessions_keep_their_replica() -> None:

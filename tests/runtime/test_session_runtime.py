@@ -3,6 +3,7 @@ network (helpers.socket): tool timers, and what an ended session still does."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -75,3 +76,36 @@ async def test_an_ended_session_serves_its_socket_no_more(runtime: SessionRuntim
     # Were anything still to come out, it would not reach the socket.
     rt.delivery.send([{"type": "error"}])
     assert len(ws.transport.written) == written
+
+
+class SlowAbort(ScriptedEngine):
+    """A scripted engine whose abort takes a while, as a remote replica's
+    abort request does: `aborted` is set once it has run."""
+
+    def __init__(self) -> None:
+        super().__init__(tokens_per_s=100)
+        self.aborted = False
+
+    async def generate(self, request):  # type: ignore[no-untyped-def,override]
+        try:
+            async for delta in super().generate(request):
+                yield delta
+        except BaseException:
+            await asyncio.sleep(0.2)  # the abort's round trip
+            self.aborted = True
+            raise
+
+
+async def test_an_ended_session_waits_for_its_engine_aborts() -> None:
+    """end() (a drain, a hand-over) goes on only once the generations it
+    cancelled have run their engine aborts, not before."""
+    subprotocol = "tokenwire.v1.json"
+    engine = SlowAbort()
+    rt = SessionRuntime(engine, ServerConfig(engine="scripted", max_events_per_s=0))
+    rt.attach(open_socket(), dialect_for(subprotocol))  # type: ignore[arg-type]
+    rt.go_live()
+    send(rt, {"type": "response.create", "response": {"max_output_tokens": 1000}})
+    await until(lambda: "response.output_text.delta" in types_sent(rt.ws), "a delta")
+    await rt.end()
+    assert engine.aborted
+    assert not rt.tasks

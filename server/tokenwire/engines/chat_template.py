@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .base import ContextLengthExceeded, ConversationRefused, GenerationRequest
+from .base import ContextLengthExceeded, ConversationRefused, GenerationRequest, RequestError
 
 
 class ChatTemplate:
@@ -62,6 +62,12 @@ class ChatTemplate:
             # do not alternate, a system turn): the conversation's, not ours.
             raise ConversationRefused(
                 f"the model's chat template refused the conversation: {exc}"
+            ) from None
+        except (ValueError, TypeError, KeyError) as exc:
+            # No template at all, or one that breaks on a value: this request
+            # fails, the session goes on.
+            raise RequestError(
+                f"the model's chat template could not render the conversation: {exc}"
             ) from None
 
     def render(

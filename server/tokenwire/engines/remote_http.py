@@ -156,26 +156,30 @@ def parse_chunk(data: bytes | str, url: str, model: str = "") -> Chunk:
         raise ReplicaFailed(f"{url} sent a chunk that is not JSON: {data[:200]!r}") from None
     if not isinstance(payload, dict):
         raise ReplicaFailed(f"{url} sent an unexpected chunk: {data[:200]!r}")
-    if "error" in payload:  # vLLM reports errors raised mid-stream this way
-        error = payload["error"] if isinstance(payload["error"], dict) else {}
-        raise error_for(int(error.get("code") or 500), json.dumps(payload), url)
-    if model and payload.get("model", model) != model:
-        raise ReplicaFailed(f"{url} answered for model {payload['model']!r}, not {model!r}")
-    chunk = Chunk()
-    usage = payload.get("usage")
-    choices = payload.get("choices") or []
-    if usage and not choices:
-        chunk.usage = True
-        details = usage.get("prompt_tokens_details") or {}
-        chunk.cached_tokens = details.get("cached_tokens")
+    try:
+        if "error" in payload:  # vLLM reports errors raised mid-stream this way
+            error = payload["error"] if isinstance(payload["error"], dict) else {}
+            raise error_for(int(error.get("code") or 500), json.dumps(payload), url)
+        if model and payload.get("model", model) != model:
+            raise ReplicaFailed(f"{url} answered for model {payload['model']!r}, not {model!r}")
+        chunk = Chunk()
+        usage = payload.get("usage")
+        choices = payload.get("choices") or []
+        if usage and not choices:
+            chunk.usage = True
+            details = usage.get("prompt_tokens_details") or {}
+            chunk.cached_tokens = details.get("cached_tokens")
+            return chunk
+        if not choices:
+            return chunk
+        choice = choices[0]
+        chunk.text = choice.get("text") or ""
+        chunk.token_ids = tuple(choice.get("token_ids") or ())
+        chunk.finish_reason = choice.get("finish_reason")
         return chunk
-    if not choices:
-        return chunk
-    choice = choices[0]
-    chunk.text = choice.get("text") or ""
-    chunk.token_ids = tuple(choice.get("token_ids") or ())
-    chunk.finish_reason = choice.get("finish_reason")
-    return chunk
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError):
+        # A chunk of the wrong shape is garbage too: try another replica.
+        raise ReplicaFailed(f"{url} sent a malformed chunk: {data[:200]!r}") from None
 
 
 async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:

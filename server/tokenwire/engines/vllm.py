@@ -9,6 +9,7 @@ Cancelling the task that iterates `generate` aborts the vLLM request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import zlib
 from collections import Counter
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
 
 log = get_logger("tokenwire.engines.vllm")
+
+DIED = "vLLM's engine process died (its log says why); restart tokenwire"
 
 
 def rank_of(session_id: str | None, ranks: int) -> int | None:
@@ -62,11 +65,16 @@ class VllmEngine:
 
     @property
     def ready(self) -> bool:
-        return self._startup.ready
+        return self._startup.ready and not self._dead
 
     @property
     def failure(self) -> str | None:
-        return self._startup.failure
+        return DIED if self._dead else self._startup.failure
+
+    @property
+    def _dead(self) -> bool:
+        """vLLM's engine process died: nothing more will be served."""
+        return self._llm is not None and bool(self._llm.errored)
 
     async def start(self) -> None:
         await self._startup.run(self._start)
@@ -155,6 +163,7 @@ class VllmEngine:
         if self._llm is None:  # closed meanwhile
             raise EngineUnavailable("the engine is shut down")
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         ids = list(request.rendered) if request.rendered else self._checked_ids(request)
         if request.resume_token_ids:
@@ -192,8 +201,7 @@ class VllmEngine:
         rank = rank_of(request.session_id, self.ranks)
         if rank is not None:
             self.sent_by_rank[rank] += 1
-        first = True
-        async for out in self._llm.generate(
+        outs = self._llm.generate(
             {
                 "prompt_token_ids": ids,
                 **({"cache_salt": salt} if (salt := request.cache_salt) else {}),
@@ -202,24 +210,33 @@ class VllmEngine:
             request.request_id,
             priority=request.priority,
             data_parallel_rank=rank,
-        ):
-            completion = out.outputs[0]
-            text, calls = completion.text, None
-            if scanner is not None:
-                text, calls = "", scanner.feed(text)
-            elif parser is not None:
-                text, calls = parser.feed(text, list(completion.token_ids))
-            yield EngineDelta(
-                text=text,
-                output_tokens=len(completion.token_ids),
-                finish_reason=completion.finish_reason if out.finished else None,
-                prompt_tokens=len(ids) if first else None,
-                cached_tokens=(out.num_cached_tokens or 0) if first else None,
-                tool_calls=calls or None,
-                token_ids=list(completion.token_ids),
-                queue_wait_s=_queue_wait(out.metrics) if first else None,
-            )
-            first = False
+        )
+        first = True
+        try:
+            # Closed with ours: vLLM aborts the request now, not once its
+            # generator is collected.
+            async with contextlib.aclosing(outs):
+                async for out in outs:
+                    completion = out.outputs[0]
+                    text, calls = completion.text, None
+                    if scanner is not None:
+                        text, calls = "", scanner.feed(text)
+                    elif parser is not None:
+                        text, calls = parser.feed(text, list(completion.token_ids))
+                    yield EngineDelta(
+                        text=text,
+                        output_tokens=len(completion.token_ids),
+                        finish_reason=completion.finish_reason if out.finished else None,
+                        prompt_tokens=len(ids) if first else None,
+                        cached_tokens=(out.num_cached_tokens or 0) if first else None,
+                        tool_calls=calls or None,
+                        token_ids=list(completion.token_ids),
+                        queue_wait_s=_queue_wait(out.metrics) if first else None,
+                    )
+                    first = False
+        except EngineDeadError:
+            log.error("engine_died", request_id=request.request_id, hint=DIED)
+            raise EngineUnavailable(DIED) from None
 
 
 def _queue_wait(stats: Any) -> float | None:

@@ -362,14 +362,13 @@ class SessionRuntime:
                 rid = action.request.request_id
                 self.tasks[rid] = asyncio.create_task(self._generate(action))
             elif isinstance(action, AbortGeneration):
-                task = self.tasks.pop(action.request_id, None)
-                if task is not None:
+                # Kept in `tasks` until its cancellation has run (the engine's
+                # abort with it): wait_generations waits for that.
+                task = self.tasks.get(action.request_id)
+                if task is not None and not task.cancelling():
                     task.cancel()
-                    started = time.perf_counter()
                     task.add_done_callback(
-                        lambda _, t0=started: metrics.CANCEL_LATENCY.observe(
-                            time.perf_counter() - t0
-                        )
+                        functools.partial(self._aborted, action.request_id, time.perf_counter())
                     )
             elif isinstance(action, StartTimer):
                 old = self._timers.pop(action.response_id, None)
@@ -388,6 +387,11 @@ class SessionRuntime:
                 if event["type"] is not _DELTA:  # per token: no call for a delta
                     self._telemetry.observe(event)
             self.delivery.send(events)
+
+    def _aborted(self, request_id: str, started: float, _: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step never ran its own cleanup.
+        self.tasks.pop(request_id, None)
+        metrics.CANCEL_LATENCY.observe(time.perf_counter() - started)
 
     def _timeout(self, response_id: str, token: int) -> None:
         self._timers.pop(response_id, None)
@@ -441,7 +445,7 @@ class SessionRuntime:
         self.pump()
 
     async def wait_generations(self) -> None:
-        """Let the engine aborts just ordered run before going on."""
+        """Let the engine aborts just ordered run before going on (up to 5 s)."""
         pending = list(self.tasks.values())
         if pending:
             await asyncio.wait(pending, timeout=5)
