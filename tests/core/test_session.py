@@ -366,6 +366,85 @@ def test_a_rate_below_one_event_in_two_seconds_still_lets_events_through(clock: 
     assert [e["type"] for e in drive(s, update)] == ["session.updated"]
 
 
+def test_frames_that_do_not_parse_count_against_the_event_rate(clock: Clock) -> None:
+    """A flood of bad frames is held to --max-events-per-s like any other."""
+    s = Session(clock=clock, limits=SessionLimits(max_events_per_s=2))
+    s.events_to_send()
+    bad = ProtocolError(ErrorCode.MALFORMED_FRAME, "not JSON", event_id="b")
+    got = [codes(drive(s, bad))[0] for _ in range(6)]
+    assert got == ["malformed_frame"] * 4 + ["rate_limit_exceeded"] * 2  # a burst of 2 s
+    update = {"type": "session.update", "session": {}}
+    assert codes(drive(s, update)) == ["rate_limit_exceeded"]
+    clock.t += 1.0
+    assert codes(drive(s, bad)) == ["malformed_frame"]
+    assert [e["type"] for e in drive(s, update)] == ["session.updated"]
+
+
+@pytest.mark.parametrize(
+    ("event", "param"),
+    [
+        ({"type": "session.update", "session": {"tools": [{"name": "f"}] * 129}}, "session.tools"),
+        (
+            {"type": "response.create", "response": {"metadata": {str(i): "" for i in range(17)}}},
+            "response.metadata",
+        ),
+        ({"type": "response.create", "response": {"metadata": {"k" * 65: ""}}}, None),
+        ({"type": "response.create", "response": {"metadata": {"k": "v" * 513}}}, None),
+        ({"type": "conversation.item.retrieve", "item_id": "\x01" * 100_000}, "item_id"),
+        ({"type": "conversation.item.delete", "item_id": "i" * 129}, "item_id"),
+        ({"type": "response.cancel", "response_id": "r" * 129}, "response_id"),
+        ({"type": "response.steer", "response_id": "r" * 129, "input": "x"}, "response_id"),
+        (
+            {
+                "type": "conversation.item.create",
+                "previous_item_id": "p" * 129,
+                "item": {"type": "message", "role": "user", "content": "x"},
+            },
+            "previous_item_id",
+        ),
+    ],
+)
+def test_lists_maps_and_ids_are_bounded_and_errors_stay_small(
+    session: Session, event: dict[str, object], param: str | None
+) -> None:
+    """OpenAI's limits on tools and metadata, and ids of at most 128
+    characters: a client cannot make an error (or a setting every response
+    renders) as large as its frame."""
+    (error,) = drive(session, event)
+    assert error["type"] == "error" and error["error"]["code"] == "invalid_field"
+    if param is not None:
+        assert error["error"]["param"] == param
+    assert len(error["error"]["message"]) < 300
+    assert session.config["tools"] == []  # nothing was applied
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "response.create", "response": {"k" * 100_000: 1}},
+        {"type": "conversation.item.create", "item": {"type": "t" * 100_000, "content": ""}},
+        {"type": "response.create", "response": {"metadata": {"k" * 100_000: "v"}}},
+    ],
+)
+def test_errors_quoting_the_clients_keys_and_values_stay_small(
+    session: Session, event: dict[str, object]
+) -> None:
+    (error,) = drive(session, event)
+    assert error["error"]["code"] in ("unknown_field", "invalid_field")
+    assert len(error["error"]["message"]) <= 512
+    assert len(error["error"]["param"]) <= 256
+
+
+def test_the_limits_themselves_are_allowed(session: Session) -> None:
+    tools = [{"name": f"t{i}"} for i in range(128)]
+    (updated,) = drive(session, {"type": "session.update", "session": {"tools": tools}})
+    assert len(updated["session"]["tools"]) == 128
+    metadata = {f"k{i:062d}": "v" * 512 for i in range(16)}
+    created = drive(session, {"type": "response.create", "response": {"metadata": metadata}})
+    assert created[0]["type"] == "response.created"
+    assert created[0]["response"]["metadata"] == metadata
+
+
 @pytest.mark.parametrize(
     ("properties", "param"),
     [

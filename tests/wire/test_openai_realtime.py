@@ -268,6 +268,14 @@ def test_core_errors_get_ga_codes_and_param_paths(h: Harness) -> None:
     assert errors[-1]["event_id"] == "twice"
 
 
+def test_an_unknown_parameter_is_quoted_short(h: Harness) -> None:
+    """The client's key is echoed in param and message: at most 64 characters of it."""
+    h.send({"type": "session.update", "session": {"type": "realtime", "k" * 100_000: 1}})
+    (error,) = [f["error"] for f in h.take() if f["type"] == "error"]
+    assert error["code"] == "unknown_parameter"
+    assert error["param"] == "session." + "k" * 64
+
+
 def test_retrieve_gives_content_parts(h: Harness) -> None:
     h.send(
         ConversationItemCreateEvent.model_validate(

@@ -40,9 +40,26 @@ def test_malformed_frames(frame: str | bytes) -> None:
     assert info.value.code is ErrorCode.MALFORMED_FRAME
 
 
-def test_deep_nesting_is_malformed_not_a_crash() -> None:
-    with pytest.raises(ProtocolError):
-        decode_frame("[" * 100_000 + "]" * 100_000)
+@pytest.mark.parametrize(
+    "frame", ["[" * 100_000 + "]" * 100_000, b"\x91" * 100_000 + b"\x90"], ids=["json", "msgpack"]
+)
+def test_deep_nesting_is_malformed_not_a_crash(frame: str | bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(frame)
+    assert info.value.code is ErrorCode.MALFORMED_FRAME
+    assert info.value.message.endswith("nested too deeply")
+
+
+def test_msgpack_bytes_map_keys_are_malformed() -> None:
+    """strict_map_key lets bytes keys through; the protocol's keys are strings."""
+    frame = msgpack.packb({"type": "response.cancel", b"x": 1}, use_bin_type=True)
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(frame)
+    assert info.value.code is ErrorCode.MALFORMED_FRAME
+    assert "map keys must be strings" in info.value.message
+    # Text with bytes 0xc4-0xc6 in it (Polish, Turkish) is still fine.
+    ok = {"type": "response.steer", "input": "zażółć gęślą jaźń, İstanbul"}
+    assert decode_frame(msgpack.packb(ok, use_bin_type=True)) == ok
 
 
 def test_msgpack_invalid_utf8_string_is_malformed() -> None:

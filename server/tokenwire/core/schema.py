@@ -28,8 +28,8 @@ INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry back
 
 def check_values(obj: Any) -> None:
     """Refuse what could not be sent back: lone surrogates (JSON \\u escapes allow
-    them), integers beyond 64 bits, NaN and infinities. Iterative, so deep
-    nesting cannot blow the stack."""
+    them), integers beyond 64 bits, NaN and infinities, map keys that are not
+    strings (msgpack's bytes). Iterative, so deep nesting cannot blow the stack."""
     stack = [obj]
     while stack:
         value = stack.pop()
@@ -47,6 +47,8 @@ def check_values(obj: Any) -> None:
             if value != value or value in (float("inf"), float("-inf")):
                 raise ValueError("NaN and infinities are not JSON")
         elif isinstance(value, dict):
+            if not all(type(key) is str for key in value):
+                raise ValueError("map keys must be strings")
             stack.extend(value.keys())
             stack.extend(value.values())
         elif isinstance(value, list | tuple):
@@ -56,6 +58,18 @@ def check_values(obj: Any) -> None:
 _STRICT = ConfigDict(strict=True, extra="forbid")
 ItemId = Annotated[
     str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+]
+# An id the client names to look something up: echoed in errors, so bounded.
+IdRef = Annotated[str, StringConstraints(max_length=128)]
+# OpenAI's limits: 128 tools; metadata of 16 pairs, keys of 64 and values of
+# 512 characters. Each tool costs validation and prompt work on every response.
+MAX_TOOLS = 128
+Metadata = Annotated[
+    dict[
+        Annotated[str, StringConstraints(max_length=64)],
+        Annotated[str, StringConstraints(max_length=512)],
+    ],
+    Field(max_length=16),
 ]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 # "inf": no cap of the server's default (OpenAI's spelling); the context still bounds it.
@@ -109,7 +123,7 @@ class _Settings(BaseModel):
 
     model_config = _STRICT
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     temperature: Temperature | None = None
@@ -130,7 +144,7 @@ class ResponseParams(_Settings):
     # with "auto", tokenwire v1 appends them to it and OpenAI's sessions use
     # them instead of it (`[]`: an empty context; None: no input).
     input: list[Item] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     # Generate exactly max_output_tokens; for benchmarks.
     ignore_eos: bool = False
     # False: the response cache (--response-cache) neither serves nor stores it.
@@ -156,23 +170,23 @@ class SessionUpdate(_ClientEvent):
 class ConversationItemCreate(_ClientEvent):
     type: Literal[ev.CONVERSATION_ITEM_CREATE]
     item: Item
-    previous_item_id: str | None = None
+    previous_item_id: IdRef | None = None
 
 
 class ConversationItemTruncate(_ClientEvent):
     type: Literal[ev.CONVERSATION_ITEM_TRUNCATE]
-    item_id: str
+    item_id: IdRef
     text_end: Annotated[int, Field(ge=0)]
 
 
 class ConversationItemRetrieve(_ClientEvent):
     type: Literal[ev.CONVERSATION_ITEM_RETRIEVE]
-    item_id: str
+    item_id: IdRef
 
 
 class ConversationItemDelete(_ClientEvent):
     type: Literal[ev.CONVERSATION_ITEM_DELETE]
-    item_id: str
+    item_id: IdRef
 
 
 class ResponseCreate(_ClientEvent):
@@ -182,12 +196,12 @@ class ResponseCreate(_ClientEvent):
 
 class ResponseCancel(_ClientEvent):
     type: Literal[ev.RESPONSE_CANCEL]
-    response_id: str | None = None
+    response_id: IdRef | None = None
 
 
 class ResponseSteer(_ClientEvent):
     type: Literal[ev.RESPONSE_STEER]
-    response_id: str | None = None
+    response_id: IdRef | None = None
     input: Annotated[str, StringConstraints(min_length=1)]
 
 
@@ -284,8 +298,8 @@ def parse_client_event(obj: Any) -> ClientEvent:
         return adapter.validate_python(obj)
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
-        param = ".".join(_path_in(obj, first["loc"]))
+        # Both may quote the client's keys and values: an error stays small.
+        param = ".".join(_path_in(obj, first["loc"]))[:256]
         code = _PYDANTIC_CODES.get(first["type"], ErrorCode.INVALID_FIELD)
-        raise ProtocolError(
-            code, f"{param or 'event'}: {first['msg']}", event_id=event_id, param=param
-        ) from None
+        message = f"{param or 'event'}: {first['msg']}"
+        raise ProtocolError(code, message[:512], event_id=event_id, param=param) from None

@@ -256,13 +256,8 @@ class Session:
                 checked or s.check_values(obj)
             except ValueError as exc:
                 raise ProtocolError(ErrorCode.MALFORMED_FRAME, str(exc)) from None
-            if self._events_bucket is not None and not self._events_bucket.take():
-                raise ProtocolError(
-                    ErrorCode.RATE_LIMIT_EXCEEDED,
-                    f"more than {self.limits.max_events_per_s:g} events per second; this one "
-                    "was dropped",
-                    event_id=s.event_id_of(obj),
-                )
+            if self._over_rate():
+                raise self._rate_error(s.event_id_of(obj))
             event = s.parse_client_event(obj)
             self._HANDLERS[event.type](self, event)
         except ProtocolError as err:
@@ -274,7 +269,19 @@ class Session:
         if self.closed:
             return
         self.client_events += frame
+        if frame and self._over_rate():
+            err = self._rate_error(err.event_id)  # a bad frame counts as an event too
         self._emit(err.to_event())
+
+    def _over_rate(self) -> bool:
+        return self._events_bucket is not None and not self._events_bucket.take()
+
+    def _rate_error(self, event_id: str | None) -> ProtocolError:
+        return ProtocolError(
+            ErrorCode.RATE_LIMIT_EXCEEDED,
+            f"more than {self.limits.max_events_per_s:g} events per second; this one was dropped",
+            event_id=event_id,
+        )
 
     def _on_session_update(self, ev_: s.SessionUpdate) -> None:
         update = ev_.session.model_dump(exclude_none=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,7 +32,7 @@ from ..storage.eventlog import EventLog, Fenced, Frame, LogState
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_SLOW_CLIENT
 from .flag import Flag
-from .ws import close_or_abort, wait_buffer_below, write_messages
+from .ws import close_or_abort, set_sndbuf, wait_buffer_below, write_messages
 
 _OPEN = State.OPEN  # per token: a lookup through the enum class takes 9x as long
 
@@ -146,10 +145,8 @@ class Delivery:
 
     def attach(self, ws: ServerConnection, dialect: Dialect) -> None:
         self.ws, self.dialect = ws, dialect
-        if self.pace.sndbuf and ws.transport is not None:
-            sock = ws.transport.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.pace.sndbuf)
+        if self.pace.sndbuf:
+            set_sndbuf(ws, self.pace.sndbuf)
 
     async def replay(self, last_seq: int) -> int:
         """Resend what came after last_seq, then go live; returns how many."""
@@ -197,14 +194,14 @@ class Delivery:
 
     async def detach(self) -> None:
         self.live = False
-        if not self.log.durable:
-            # Nothing is written while detached: events wait in the outbox
-            # (and pause generation at the hard cap).
-            await self.stop_writer()
         self._stop_clocks()
         self.ws = None
         if self.log.durable:
-            self._wake()  # what a dead socket (or replay) paused goes on into the log
+            self._wake()  # what a dead socket (or a replay) paused goes on into the log
+        else:
+            # Nothing is written while detached: events wait in the outbox
+            # (and pause generation at the hard cap).
+            await self.stop_writer()
 
     async def close_socket(self, code: int, reason: str) -> None:
         if self.ws is not None:
@@ -373,15 +370,9 @@ class Delivery:
                 try:
                     await self._write_queued()
                     ws = self.ws if self.live else None
-                    if ws is None:
-                        # No socket: the log took it all, generate on. A socket
-                        # in its replay has not caught up: its clocks stay on.
-                        if (
-                            self.log.durable
-                            and self.ws is None
-                            and (self.paused or not self.drained.is_set())
-                        ):
-                            self._caught_up()
+                    if ws is None:  # no socket, or one still in its replay
+                        if self.log.durable and self.ws is None and self.behind():
+                            self._caught_up()  # the log took it all: generate on
                         continue
                     if self.behind():
                         # The queue is empty, but the socket may still hold what

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import struct
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -43,6 +44,13 @@ async def wait_buffer_below(ws: ServerConnection, low: int) -> None:
     finally:
         if not transport.is_closing():
             transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+
+
+def set_sndbuf(ws: ServerConnection, size: int) -> None:
+    """The kernel's send buffer for this socket (small: backpressure shows sooner)."""
+    sock = ws.transport.get_extra_info("socket") if ws.transport is not None else None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
 
 async def close_or_abort(ws: ServerConnection, code: int, reason: str) -> None:

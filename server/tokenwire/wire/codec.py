@@ -23,10 +23,11 @@ def _reject_constant(name: str) -> Any:
 # JSON: a surrogate, escaped or not (a \u escape of D800-DFFF), a number of 19
 # or more digits (beyond 64 bits) or with a 3-digit exponent (infinity);
 # NaN and Infinity themselves are refused by the parser. msgpack: a float
-# (0xca, 0xcb), which may be NaN or infinite; its integers fit 64 bits and
-# its strings are strict UTF-8, which has no surrogates.
+# (0xca, 0xcb), which may be NaN or infinite, or bytes (0xc4-0xc6), which
+# strict_map_key lets through as a map key; its integers fit 64 bits and its
+# strings are strict UTF-8, which has no surrogates.
 _JSON_SUSPECT = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]|\d{19}|[eE][+-]?\d{3}")
-_MSGPACK_FLOAT32, _MSGPACK_FLOAT64 = b"\xca", b"\xcb"
+_MSGPACK_SUSPECT = re.compile(b"[\xc4-\xc6\xca\xcb]")
 
 
 def decode_frame(data: str | bytes) -> Any:
@@ -39,7 +40,7 @@ def decode_frame(data: str | bytes) -> Any:
                 check_values(obj)
         else:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-            if _MSGPACK_FLOAT32 in data or _MSGPACK_FLOAT64 in data:
+            if _MSGPACK_SUSPECT.search(data):
                 check_values(obj)
         return obj
     except (
@@ -51,8 +52,9 @@ def decode_frame(data: str | bytes) -> Any:
         msgpack.StackError,
     ) as exc:
         kind = "JSON" if isinstance(data, str) else "msgpack"
+        why = "nested too deeply" if isinstance(exc, msgpack.StackError | RecursionError) else exc
         raise ProtocolError(
-            ErrorCode.MALFORMED_FRAME, f"the frame is not valid {kind}: {exc}"
+            ErrorCode.MALFORMED_FRAME, f"the frame is not valid {kind}: {why}"
         ) from None
 
 

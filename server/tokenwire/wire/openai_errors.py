@@ -161,7 +161,8 @@ def missing(param: str, event_id: str | None) -> OpenAIProtocolError:
 def check_keys(obj: dict[str, Any], allowed: set[str], prefix: str, event_id: str | None) -> None:
     for key in obj:
         if key not in allowed:
-            raise Refused(GACode.UNKNOWN_PARAMETER, param=f"{prefix}{key}", event_id=event_id)
+            param = f"{prefix}{str(key)[:64]}"  # echoed: the client's key, bounded
+            raise Refused(GACode.UNKNOWN_PARAMETER, param=param, event_id=event_id)
 
 
 def check_map(obj: Any, param: str, event_id: str | None) -> dict[str, Any]:
