@@ -217,3 +217,46 @@ async def test_a_redis_failure_during_a_replay_keeps_the_session_being_resumed(
             events.append(await recv(ws))
         assert events[0]["type"] == "session.created" and events[0]["session"]["id"] == sid
         await ws.close()
+
+
+async def test_two_resumes_at_once_take_a_dead_owners_session_over_once(
+    redis_server: RedisServer,
+) -> None:
+    """Two sockets resume the same session on B at the same moment, its owner
+    A gone: one takeover (there were two runtimes, logging the same seqs)."""
+    async with (
+        serving(redis_server.url, resume_grace_s=60) as a,
+        serving(redis_server.url, resume_grace_s=60) as b,
+    ):
+        ws = await open_ws(a.url)
+        sid = (await recv(ws))["session"]["id"]
+        ws.transport.abort()
+        await until(lambda: a.server.sessions[sid].state == "detached", "A's socket dropped")
+        await a.server.store.release()  # A's lease is gone: as if it died
+        store = b.server.store
+        assert store is not None
+        loads = 0
+        load = store.load
+
+        async def counted(session_id: str):  # type: ignore[no-untyped-def]
+            nonlocal loads
+            loads += 1
+            await asyncio.sleep(0.5)  # a slow Redis: the second resume comes meanwhile
+            return await load(session_id)
+
+        store.load = counted  # type: ignore[method-assign]
+        sockets = [await open_ws(b.url) for _ in range(2)]
+        for s in sockets:
+            await recv(s)  # its own session.created
+        resume = json.dumps({"type": "session.resume", "session_id": sid, "last_seq": 1})
+        await sockets[0].send(resume)
+        await until(lambda: loads == 1, "the first takeover is loading the session")
+        await sockets[1].send(resume)  # B owns it in Redis now, but has no runtime yet
+        await until(lambda: sid in b.server.sessions, "B took the session over")
+        await asyncio.sleep(1.0)  # a second takeover would have loaded by now
+        assert loads == 1
+        runtime = b.server.sessions[sid]
+        await until(lambda: runtime.state == "attached", "one socket holds it")
+        assert (await store.meta(sid)).owner == store.instance_id  # type: ignore[union-attr]
+        for s in sockets:
+            s.transport.abort()

@@ -113,6 +113,13 @@ def test_suspend_stops_generation_without_ending_the_response() -> None:
     assert isinstance(abort, AbortGeneration) and abort.request_id == action.request.request_id
     assert s.events_to_send() == []  # no response.done: the client will see it finish elsewhere
     assert s.responses[rid].active
+    # A frame read meanwhile starts nothing here and is not counted as taken:
+    # the client resends it to the instance that continues the session.
+    taken = s.client_events
+    drive(s, {"type": "response.create", "response": {"conversation": "none"}})
+    assert s.actions_to_perform() == [] and s.events_to_send() == []
+    assert s.client_events == taken
+    assert Session.restore(over_the_wire(s)).client_events == taken
 
 
 def test_snapshot_keeps_the_conversation_and_settings() -> None:

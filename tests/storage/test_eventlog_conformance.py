@@ -103,16 +103,78 @@ async def test_a_snapshot_alone_marks_the_end_of_the_log(store: RedisStore) -> N
     assert entries == []
 
 
-async def test_an_owner_that_lost_the_session_is_fenced(store: RedisStore) -> None:
+async def taken_over(store: RedisStore, url: str) -> tuple[str, RedisStore]:
+    """A session of `store`'s, then claimed by another instance (its lease ran out)."""
     sid = f"sess_conf_{next(_ids)}"
+    await store.register(sid, None)
+    other = RedisStore(url, ttl_s=60, maxlen=10_000, lease_s=5)
+    assert await other.claim(sid, store.instance_id)
+    return sid, other
+
+
+async def test_an_owner_that_lost_the_session_is_fenced(
+    store: RedisStore, redis_server: RedisServer
+) -> None:
+    sid = f"sess_conf_{next(_ids)}"
+    await store.register(sid, None)
     old = RedisLog(store, sid)
     await write(old, range(1, 4))
-    new = RedisLog(store, sid, last_seq=3)  # another instance took it over
-    await write(new, range(4, 6))
-    old.append(4, event(4), "")
+    other = RedisStore(redis_server.url, ttl_s=60, maxlen=10_000, lease_s=5)
+    try:
+        assert await other.claim(sid, store.instance_id)
+        new = RedisLog(other, sid, last_seq=3)
+        await write(new, range(4, 6))
+        for seq in (4, 6):  # an id taken, or one past the new owner's: fenced either way
+            old.append(seq, event(seq), "")
+            with pytest.raises(Fenced):
+                await old.flush(LogState(None, {}, 4))
+        assert [s for s, _ in await new.read(0)] == [1, 2, 3, 4, 5]
+    finally:
+        await other.redis.aclose()
+
+
+async def test_a_batch_of_an_owner_that_lost_the_session_lands_not_at_all(
+    store: RedisStore, redis_server: RedisServer
+) -> None:
+    """Events and snapshot of a stale owner: none of it (it was half applied)."""
+    sid, other = await taken_over(store, redis_server.url)
+    try:
+        entries = [(seq, msgpack.packb(event(seq))) for seq in range(1, 6)]
+        await other.append(sid, entries, None, (5, {"by": "new"}))
+        stale = [(seq, msgpack.packb(event(seq))) for seq in range(6, 10)]
+        with pytest.raises(Fenced):
+            await store.append(sid, stale, None, (9, {"by": "old"}))
+        with pytest.raises(Fenced):  # a snapshot alone (a drain's) too
+            await store.append(sid, [], None, (5, {"by": "old"}))
+        assert await other.bounds(sid) == (1, 5)
+        loaded = await other.load(sid)
+        assert loaded is not None and loaded[0]["session"] == {"by": "new"}
+        # Ended at the old owner (its grace ran out): the new owner's keys stay.
+        await store.drop(sid)
+        assert await other.meta(sid) is not None and await other.bounds(sid) == (1, 5)
+        await other.drop(sid)
+        assert await other.meta(sid) is None and await other.bounds(sid) is None
+    finally:
+        await other.redis.aclose()
+
+
+async def test_the_same_write_again_is_done_not_fenced(store: RedisStore) -> None:
+    """redis-py resends a command whose reply was lost (and the log retries a
+    flush): an entry or batch already there is no fence; another one is."""
+    sid = f"sess_conf_{next(_ids)}"
+    await store.register(sid, None)
+    batch = [(seq, msgpack.packb(event(seq))) for seq in range(1, 4)]
+    for _ in range(2):
+        await store.append(sid, batch, None, (3, {"n": 3}))
+    lone = [(4, msgpack.packb(event(4)))]
+    for _ in range(2):
+        await store.append(sid, lone, None, None, refresh_ttl=False)
+    assert [e.seq for e in await store.read(sid, 0)] == [1, 2, 3, 4]
+    other = [(4, msgpack.packb(event(40)))]
     with pytest.raises(Fenced):
-        await old.flush(LogState(None, {}, 4))
-    assert [s for s, _ in await new.read(0)] == [1, 2, 3, 4, 5]
+        await store.append(sid, other, None, None, refresh_ttl=False)
+    with pytest.raises(Fenced):
+        await store.append(sid, [(3, msgpack.packb(event(30))), *lone], None, None)
 
 
 async def test_memory_log_is_not_durable_and_bounded() -> None:
@@ -157,9 +219,10 @@ async def test_a_delta_is_one_command_and_the_ttls_are_kept(
     assert after["evalsha"] - before["evalsha"] == 10  # the group commit's script call
     assert after["pexpire"] == before["pexpire"] and after["exec"] == before["exec"]
     clock[0] += 1.0
-    await write(log, range(12, 13))  # a second on: refreshed, in one transaction
+    await write(log, range(12, 13))  # a second on: refreshed, in one script call
     final = await calls()
-    assert final["pexpire"] - after["pexpire"] == 3 and final["exec"] - after["exec"] == 1
+    assert final["pexpire"] - after["pexpire"] == 3 and final["evalsha"] - after["evalsha"] == 1
+    assert final["exec"] == after["exec"]
     assert [s for s, _ in await log.read(0)] == list(range(1, 13))
 
 
@@ -169,7 +232,8 @@ async def test_sessions_deltas_are_committed_together_and_fail_alone(store: Redi
     sids = [f"sess_conf_{next(_ids)}" for _ in range(20)]
     logs = [RedisLog(store, sid) for sid in sids]
     await asyncio.gather(*(write(log, range(1, 2)) for log in logs))  # TTLs set
-    await write(RedisLog(store, sids[0], last_seq=1), range(2, 4))  # another owner took sids[0]
+    # Another owner took sids[0] and logged events of its own.
+    await store.append(sids[0], [(2, b"theirs"), (3, b"theirs")], None, None)
     trips: list[str] = []  # round trips: a command alone, or a pipeline
     pipeline, command = store.redis.pipeline, store.redis.execute_command
     store.redis.pipeline = lambda **kw: trips.append("pipeline") or pipeline(**kw)  # type: ignore[method-assign]
@@ -204,12 +268,12 @@ async def test_a_large_group_is_split_into_short_script_calls(store: RedisStore)
 
     n = 2 * MAX_PER_CALL + 10
     sids = [f"sess_conf_{next(_ids)}" for _ in range(n)]
-    calls: list[int] = []  # entries per EVALSHA
+    calls: list[int] = []  # entries per EVALSHA (two keys each: stream and meta)
     command = store.redis.execute_command
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         if args[0] == "EVALSHA":
-            calls.append(args[2])  # the number of keys
+            calls.append(args[2] // 2)  # the number of keys
         return command(*args, **kwargs)
 
     store.redis.execute_command = counted  # type: ignore[method-assign]
@@ -231,3 +295,17 @@ async def test_the_group_commit_reloads_its_script_after_redis_forgot_it(
     await store.redis.script_flush()
     await store.append(sid, [(2, b"two")], None, None, 2, refresh_ttl=False)
     assert [(e.seq, e.event) for e in await store.read(sid, 0)] == [(1, b"one"), (2, b"two")]
+
+
+async def test_a_log_trimmed_past_its_snapshot_cannot_be_taken_over(store: RedisStore) -> None:
+    """Deltas after the snapshot went with --redis-maxlen: rebuilding from what
+    is left would give a text missing its middle, so there is no session."""
+    sid = f"sess_conf_{next(_ids)}"
+    await store.register(sid, None)
+    entries = [(seq, msgpack.packb(event(seq))) for seq in range(1, 101)]
+    await store.append(sid, entries[:1], None, (1, {"at": 1}))
+    await store.append(sid, entries[1:], None, None)
+    loaded = await store.load(sid)
+    assert loaded is not None and [e.seq for e in loaded[1]] == list(range(2, 101))
+    await store.redis.xtrim(f"tw:{sid}:log", minid="0-50", approximate=False)
+    assert await store.load(sid) is None

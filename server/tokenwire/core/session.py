@@ -471,8 +471,11 @@ class Session:
 
     def suspend(self) -> None:
         """Stop every generation without ending its response: the session is
-        handed to another instance, which restores it and calls resume()."""
+        handed to another instance, which restores it and calls resume().
+        Frames that come meanwhile start nothing here (the client resends
+        what its `client_events` says was not taken)."""
         self.lifecycle.suspend()
+        self.closed = True
 
     def abandon(self) -> None:
         """Another instance owns this session now: stop and forget its responses."""

@@ -34,6 +34,8 @@ class Registry:
         self.sessions: dict[str, SessionRuntime] = {}
         self.stages: tuple[Stage, ...] = ()  # what every new session's generations pass through
         self._expiring: set[asyncio.Task[None]] = set()
+        # Takeovers under way, by session: a second resume meanwhile waits for the first.
+        self._taking: dict[str, asyncio.Future[SessionRuntime | None]] = {}
         self.reclaimer = Reclaimer()
         self.reclaimer.tables.append(self.sessions)
 
@@ -110,7 +112,17 @@ class Registry:
 
     async def take_over(self, sid: str, meta: Meta) -> SessionRuntime | None:
         """Continue a session whose owner (`meta.owner`) is gone, from its
-        snapshot and log."""
+        snapshot and log; once: two resumes at a time get the same runtime."""
+        local = self.sessions.get(sid)
+        if local is not None and local.state not in GONE:
+            return local  # taken over while this resume looked the session up
+        pending = self._taking.get(sid)
+        if pending is None:
+            pending = self._taking[sid] = asyncio.ensure_future(self._take_over(sid, meta))
+            pending.add_done_callback(lambda _: self._taking.pop(sid, None))
+        return await asyncio.shield(pending)
+
+    async def _take_over(self, sid: str, meta: Meta) -> SessionRuntime | None:
         assert self.store is not None
         if not await self.store.claim(sid, meta.owner):
             return None

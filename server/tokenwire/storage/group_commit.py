@@ -17,21 +17,34 @@ from redis.exceptions import ResponseError
 if TYPE_CHECKING:
     import redis.asyncio as redis
 
-# KEYS: the streams. ARGV: the MAXLEN, then per stream its entry id, its
-# number of fields and the fields. Returns per stream 1, or XADD's error.
+# KEYS: per session its stream and its meta hash. ARGV: the MAXLEN, the
+# writing instance, then per stream its entry id, its number of fields and the
+# fields ("e", the event, first). Returns per stream 1, or the error.
 _XADDS = """
-local out, at = {}, 2
-for i = 1, #KEYS do
+local out, at = {}, 3
+for i = 1, #KEYS, 2 do
   local n = tonumber(ARGV[at + 1])
-  local r = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[at],
-                        unpack(ARGV, at + 2, at + 1 + 2 * n))
+  local owner = redis.call('HGET', KEYS[i + 1], 'owner')
+  if owner and owner ~= ARGV[2] then
+    out[#out + 1] = 'FENCED another instance owns the session'
+  else
+    local r = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[at],
+                          unpack(ARGV, at + 2, at + 1 + 2 * n))
+    if type(r) == 'table' and r.err then
+      -- The same entry again (a command resent after a lost reply) is done.
+      local got = redis.call('XRANGE', KEYS[i], ARGV[at], ARGV[at])
+      if #got == 1 and got[1][2][2] == ARGV[at + 3] then r = 1 else r = r.err end
+    else
+      r = 1
+    end
+    out[#out + 1] = r
+  end
   at = at + 2 + 2 * n
-  if type(r) == 'table' and r.err then out[i] = r.err else out[i] = 1 end
 end
 return out
 """
 
-_Queued = tuple[str, str, dict[str, bytes], "asyncio.Future[None]"]
+_Queued = tuple[str, str, str, dict[str, bytes], "asyncio.Future[None]"]
 
 # Entries per script call: Redis runs a script whole, so a call is kept
 # short (about a millisecond) for the other instances' commands.
@@ -39,9 +52,10 @@ MAX_PER_CALL = 256
 
 
 class GroupCommit:
-    def __init__(self, client: redis.Redis, maxlen: int) -> None:
+    def __init__(self, client: redis.Redis, maxlen: int, owner: str) -> None:
         self._xadds = client.register_script(_XADDS)
         self._maxlen = maxlen
+        self._owner = owner
         self._queued: list[_Queued] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -49,10 +63,11 @@ class GroupCommit:
         """Load the script into Redis (a call loads it again if Redis forgot it)."""
         await self._xadds.registered_client.script_load(_XADDS)
 
-    async def xadd(self, key: str, entry_id: str, fields: dict[str, bytes]) -> None:
-        """XADD (MAXLEN ~ maxlen), with whatever else is queued in this loop turn."""
+    async def xadd(self, key: str, meta: str, entry_id: str, fields: dict[str, bytes]) -> None:
+        """XADD (MAXLEN ~ maxlen) unless another instance owns the session (its
+        `meta` says), with whatever else is queued in this loop turn."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queued.append((key, entry_id, fields, done))
+        self._queued.append((key, meta, entry_id, fields, done))
         if self._task is None:
             self._task = asyncio.create_task(self._commit())
         await done
@@ -62,9 +77,9 @@ class GroupCommit:
         try:
             while self._queued:  # what queued during a commit goes in the next
                 batch, self._queued = self._queued[:MAX_PER_CALL], self._queued[MAX_PER_CALL:]
-                keys, args = [], [self._maxlen]
-                for key, entry_id, fields, _ in batch:
-                    keys.append(key)
+                keys, args = [], [self._maxlen, self._owner]
+                for key, meta, entry_id, fields, _ in batch:
+                    keys += (key, meta)
                     args += (entry_id, len(fields))
                     for item in fields.items():
                         args += item

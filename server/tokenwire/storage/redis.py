@@ -30,8 +30,12 @@ Per instance:
 - `tw:inst:{iid}:inbox`, a stream of client events forwarded to the owner by
   an instance that follows one of its sessions.
 
-Explicit stream ids also fence: an owner that lost its session to a takeover
-fails its next XADD (the id is no longer the greatest) and stops.
+Every write is fenced by the meta's owner, in the script that writes: an
+instance that lost its session to a takeover fails its next write and stops,
+and a batch (events with their snapshot) lands whole or not at all. Explicit
+stream ids fence too (an id no longer the greatest fails), except that the
+very same entry again (a command resent after a lost reply) counts as done.
+A session's keys are dropped only by their owner.
 """
 
 from __future__ import annotations
@@ -61,6 +65,46 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   return 1
 end
 return 0
+"""
+
+# A batch of entries, and the snapshot it goes with, all or nothing: only
+# while this instance (ARGV[1]) owns the session and the stream ends before
+# the batch. KEYS: log, state, meta. ARGV: owner, MAXLEN, TTL in ms, 1 to
+# refresh the TTLs, the snapshot (empty: none), the number of entries, then
+# per entry its id, its seq, its number of fields and the fields ("e" first).
+_APPEND = """
+local owner = redis.call('HGET', KEYS[3], 'owner')
+if owner and owner ~= ARGV[1] then return redis.error_reply('FENCED another instance owns it') end
+local count, at = tonumber(ARGV[6]), 7
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if count > 0 and #last == 1 then
+  local newest = tonumber(string.match(last[1][1], '%-(%d+)$'))
+  if newest >= tonumber(ARGV[at + 1]) then
+    -- The same batch again (resent after a lost reply) is done; else fenced.
+    local seen = redis.call('XRANGE', KEYS[1], ARGV[at], ARGV[at])
+    if #seen == 1 and seen[1][2][2] == ARGV[at + 4] then return 0 end
+    return redis.error_reply('FENCED the log is ahead of this batch')
+  end
+end
+for _ = 1, count do
+  local n = tonumber(ARGV[at + 2])
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], ARGV[at],
+             unpack(ARGV, at + 3, at + 2 + 2 * n))
+  at = at + 3 + 2 * n
+end
+if ARGV[5] ~= '' then redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[3]) end
+if ARGV[4] == '1' then
+  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+end
+return 1
+"""
+
+# The session's keys go only while this instance (ARGV[1]) owns it: one that
+# lost it meanwhile (cut off longer than the lease) leaves the new owner's.
+_DROP = """
+local owner = redis.call('HGET', KEYS[3], 'owner')
+if owner and owner ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 """
 
 
@@ -129,8 +173,10 @@ class RedisStore:
         self.lease_ms = int(lease_s * 1000)
         self.instance_id = instance_id or f"inst_{secrets.token_hex(6)}"
         self._claim = self.redis.register_script(_CLAIM)
+        self._append = self.redis.register_script(_APPEND)
+        self._drop = self.redis.register_script(_DROP)
         self._tasks: list[asyncio.Task[None]] = []
-        self._group = GroupCommit(self.redis, maxlen)
+        self._group = GroupCommit(self.redis, maxlen, self.instance_id)
 
     # -- instance lifecycle -----------------------------------------------------
 
@@ -142,7 +188,8 @@ class RedisStore:
         try:
             await self.redis.set(_key("inst", self.instance_id), b"1", px=self.lease_ms)
             # Loaded now: a user without scripting fails here, not at the first delta.
-            await self.redis.script_load(_CLAIM)
+            for script in (_CLAIM, _APPEND, _DROP):
+                await self.redis.script_load(script)
             await self._group.load()
         except redis.RedisError as exc:
             raise RedisUnavailable(
@@ -164,7 +211,7 @@ class RedisStore:
 
     async def _read_inbox(self, on_forward: Callable[[str, str, Any, str], Any]) -> None:
         key = _key("inst", self.instance_id, "inbox")
-        last = b"$"
+        last = b"0-0"  # the inbox is this instance's own: all of it is for us
         while True:
             try:
                 got = await self.redis.xread({key: last}, block=1000, count=256)
@@ -237,7 +284,7 @@ class RedisStore:
         entry, the usual batch (one delta), is a lone XADD, committed with
         the other sessions' (measured: a transaction per delta was most of a
         logged token's CPU)."""
-        key = _key(sid, "log")
+        key, meta = _key(sid, "log"), _key(sid, "meta")
         last = len(entries) - 1
         xadds = []
         for i, (seq, event) in enumerate(entries):
@@ -246,24 +293,27 @@ class RedisStore:
                 fields["p"] = pack(progress)
             if i == last and client_events is not None:
                 fields["c"] = str(client_events).encode()
-            xadds.append((f"0-{seq}", fields))
+            xadds.append((seq, fields))
         try:
             if len(xadds) == 1 and snapshot is None and not refresh_ttl:
-                entry_id, fields = xadds[0]
-                await self._group.xadd(key, entry_id, fields)
+                seq, fields = xadds[0]
+                await self._group.xadd(key, meta, f"0-{seq}", fields)
                 return
-            pipe = self.redis.pipeline(transaction=True)
-            for entry_id, fields in xadds:
-                pipe.xadd(key, fields, id=entry_id, maxlen=self.maxlen, approximate=True)
-            if snapshot is not None:
-                state = pack({"seq": snapshot[0], "session": snapshot[1]})
-                pipe.set(_key(sid, "state"), state, px=self.ttl_ms)
-            if refresh_ttl:
-                for k in (key, _key(sid, "state"), _key(sid, "meta")):
-                    pipe.pexpire(k, self.ttl_ms)
-            await pipe.execute()
+            args: list[Any] = [
+                self.instance_id,
+                self.maxlen,
+                self.ttl_ms,
+                int(refresh_ttl),
+                b"" if snapshot is None else pack({"seq": snapshot[0], "session": snapshot[1]}),
+                len(xadds),
+            ]
+            for seq, fields in xadds:
+                args += (f"0-{seq}", seq, len(fields))
+                for item in fields.items():
+                    args += item
+            await self._append(keys=[key, _key(sid, "state"), meta], args=args)
         except ResponseError as exc:
-            if "equal or smaller" in str(exc):
+            if "equal or smaller" in str(exc) or "FENCED" in str(exc):
                 raise Fenced(sid) from None
             raise
 
@@ -286,7 +336,8 @@ class RedisStore:
         return _seq(first[0][0]), _seq(last[0][0])
 
     async def load(self, sid: str) -> tuple[dict[str, Any], list[Entry]] | None:
-        """The last snapshot and every entry logged after it."""
+        """The last snapshot and every entry logged after it; None if the
+        stream was trimmed past the snapshot (the session cannot be rebuilt)."""
         raw = await self.redis.get(_key(sid, "state"))
         if raw is None:
             return None
@@ -294,6 +345,9 @@ class RedisStore:
         entries: list[Entry] = []
         after = state["seq"]
         while batch := await self.read(sid, after):
+            if batch[0].seq != after + 1:
+                log.warning("log_trimmed_past_snapshot", session_id=sid, snapshot_seq=state["seq"])
+                return None
             entries.extend(batch)
             after = batch[-1].seq
         return state, entries
@@ -312,7 +366,8 @@ class RedisStore:
     async def drop(self, sid: str) -> None:
         """The session ended: its log goes with it."""
         with contextlib.suppress(redis.RedisError):
-            await self.redis.delete(_key(sid, "log"), _key(sid, "state"), _key(sid, "meta"))
+            keys = [_key(sid, "log"), _key(sid, "state"), _key(sid, "meta")]
+            await self._drop(keys=keys, args=[self.instance_id])
 
     # -- client secrets -----------------------------------------------------------
 
