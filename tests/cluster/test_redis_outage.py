@@ -260,3 +260,48 @@ async def test_two_resumes_at_once_take_a_dead_owners_session_over_once(
         assert (await store.meta(sid)).owner == store.instance_id  # type: ignore[union-attr]
         for s in sockets:
             s.transport.abort()
+
+
+async def test_a_resume_while_redis_is_slow_sends_session_resumed_after_the_replay(
+    redis_server: RedisServer,
+) -> None:
+    """Events of a batch Redis had not yet acknowledged when the replay read
+    the log go out with the replay: `session.resumed` comes right after them
+    and counts them, and what follows it continues the seqs (they came after
+    it, uncounted)."""
+    async with serving(
+        redis_server.url, resume_grace_s=60, scripted_tokens_per_s=200, drain_timeout_s=0.5
+    ) as running:
+        store = running.server.store
+        assert store is not None
+        append = store.append
+
+        async def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.15)  # a batch in Redis's hands for a while
+            return await append(*args, **kwargs)
+
+        store.append = slow  # type: ignore[method-assign]
+        ws = await open_ws(running.url)
+        sid = (await recv(ws))["session"]["id"]
+        request = {"response": {"ignore_eos": True, "max_output_tokens": 600}}
+        await ws.send(json.dumps({"type": "response.create", **request}))
+        while (event := await recv(ws))["type"] != "response.output_text.delta":
+            pass
+        last = event["seq"]
+        ws.transport.abort()
+        await asyncio.sleep(0.5)  # it generates on, into the log
+        ws = await open_ws(running.url)
+        await recv(ws)
+        await ws.send(json.dumps({"type": "session.resume", "session_id": sid, "last_seq": last}))
+        seqs = []
+        while (event := await recv(ws))["type"] != "session.resumed":
+            seqs.append(event["seq"])
+        assert seqs == list(range(last + 1, last + 1 + len(seqs)))
+        assert event["replayed"] == len(seqs)
+        after = await recv(ws)
+        assert after["seq"] == last + len(seqs) + 2  # session.resumed took its own seq
+        store.append = append  # type: ignore[method-assign]
+        await ws.send(json.dumps({"type": "response.cancel"}))
+        while (await recv(ws))["type"] != "response.done":
+            pass
+        await ws.close()

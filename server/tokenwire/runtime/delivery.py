@@ -153,18 +153,18 @@ class Delivery:
         assert self.ws is not None
         self.sent_seq = last_seq
         replayed = await self._send_logged(self.ws, paced=True)
-        self.live = True
+        async with self._log_lock:  # a batch in Redis's hands now: it goes out first
+            replayed += await self._send_logged(self.ws, paced=True)
+            self.live = True
         return replayed
 
     async def _send_logged(self, ws: ServerConnection, *, paced: bool = False) -> int:
-        """Send what the log holds after sent_seq; returns how many events.
-        A durable log may be written meanwhile: read until caught up with it
-        (the caller then goes on with no await in between)."""
+        """Send what the log holds after sent_seq; returns how many events. A
+        durable log may be written meanwhile: read until caught up with it."""
         sent = 0
         while self.sent_seq < self.logged_seq:
-            frames = [
-                (seq, f) for seq, f in await self.log.read(self.sent_seq) if seq > self.sent_seq
-            ]
+            got = await self.log.read(self.sent_seq)
+            frames = [(seq, f) for seq, f in got if seq > self.sent_seq]
             if not frames:
                 break
             for seq, frame in frames:
