@@ -210,3 +210,87 @@ async def test_the_server_redacts_blocks_and_tells_each_key_its_filters(tmp_path
         said = [f for f in frames if json.loads(f)["type"].startswith("response.")]
         assert said and not any("launch" in str(f) or "codes" in str(f) for f in said)
         await until(lambda: running.server.engine.load().running == 0, "the engine freed")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "You said: İİİİİİİİİİ secret",  # the block was placed past the text: the loop never ended
+        "You said: İİİİİ secret",  # "secre" leaked before the block
+        "You said:" + " İ" * 40 + " secret",  # the match looked unfinished and was released
+    ],
+)
+async def test_letters_that_lower_to_two_characters_move_no_match(text: str) -> None:
+    """`"İ".lower()` is two characters: positions come from the text as it is."""
+    source = Source(words(text))
+    out = await asyncio.wait_for(run(stage(Blocklist(["secret"]), lookahead=4), source), 5)
+    assert out[-1].finish_reason == CONTENT_FILTER
+    assert "secre" not in delivered(out) and "ecret" not in delivered(out)
+    assert delivered(out) == text[: text.index(" secret")] + " "
+
+
+async def test_a_phrase_spread_over_whitespace_is_blocked_whole() -> None:
+    """Any whitespace between a phrase's words matches: the window holds a
+    run of it as one character, so "top" is not released before "secret"."""
+    source = Source(["The", " top", *["\n"] * 40, " secret", " plan", " is", " here"])
+    out = await run(stage(Blocklist(["top secret"]), lookahead=4), source)
+    assert out[-1].finish_reason == CONTENT_FILTER
+    assert delivered(out) == "The "
+    regex_like = Source(["The", " top", *["\n"] * 40, "-secret", " plan"])
+    out = await run(stage(Blocklist(["top -secret"]), lookahead=4), regex_like)
+    assert out[-1].finish_reason == CONTENT_FILTER and "top" not in delivered(out)
+
+
+async def test_the_stage_leaves_the_engines_deltas_as_they_were() -> None:
+    """Deltas may be shared (the response cache's flight keeps them for the
+    requests that follow it): the guardrail changes copies only."""
+    call = ToolCallDelta(0, "lookup", "{}")
+    source = Source(["Let", " me", " check"], finish="stop")
+    source.deltas[-1].tool_calls = [call]
+    before = [(d.text, d.finish_reason, d.tool_calls) for d in source.deltas]
+    out = await run(stage(Pii(), Blocklist(["zebra"])), source)
+    assert out[-1].tool_calls == [call]
+    assert [(d.text, d.finish_reason, d.tool_calls) for d in source.deltas] == before
+
+
+async def test_behind_the_guardrail_the_cache_stores_and_followers_get_the_calls() -> None:
+    """The guardrail ends its stream at the finish: the cache inside it stores
+    the answer all the same, and a twin request in flight gets the same
+    deltas, tool calls included."""
+    from tokenwire.stages.cache import ResponseCache
+    from tokenwire.stages.cache_store import MemoryStore
+
+    call = ToolCallDelta(0, "lookup", "{}")
+
+    class Slow(Source):  # a step between deltas: the twin arrives mid-flight
+        async def __call__(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
+            async for d in super().__call__(request):
+                await asyncio.sleep(0.01)
+                yield d
+
+    def engine() -> Source:
+        made = Slow(["Let", " me", " check"], finish="stop")
+        made.deltas[-1].tool_calls = [call]
+        return made
+
+    store = MemoryStore(1 << 20, 60)
+    cache = ResponseCache(store, "m")
+    guard = stage(Blocklist(["zebra"]))
+
+    async def ask(response_id: str, source: Source) -> list[EngineDelta]:
+        context = StageContext("anonymous", "sess_1", response_id)
+        messages = [{"role": "user", "content": response_id}]
+        request = GenerationRequest(f"{response_id}-1", messages, temperature=0.0)
+        inner = lambda r: cache.stream(r, context, source)  # noqa: E731
+        return [d async for d in guard.stream(request, context, inner)]
+
+    twin_engine = engine()
+    leader, twin = await asyncio.gather(ask("resp_1", engine()), ask("resp_1", twin_engine))
+    assert twin_engine.sent == 0  # it followed the leader's flight
+    for out in (leader, twin):
+        assert delivered(out) == "Let me check"
+        assert out[-1].tool_calls == [call] and out[-1].finish_reason == "stop"
+    # Answers with calls are not stored; a text answer is, behind the guardrail.
+    assert delivered(await ask("resp_2", Source(["Plain", " text"]))) == "Plain text"
+    await until(lambda: not cache.flights, "the entry written")
+    assert len(store.entries) == 1

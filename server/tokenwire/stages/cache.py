@@ -177,13 +177,14 @@ class ResponseCache:
             async with contextlib.aclosing(upstream):  # type: ignore[type-var]
                 async for delta in upstream:
                     flight.push(delta)
+                    # Stored once it is whole, before the consumer takes the
+                    # finish: a stage around this one may end with it.
+                    if delta.finish_reason is not None and storable(flight.deltas):
+                        writing = True
+                        task = asyncio.create_task(self._write(key, flight))
+                        self._writes.add(task)
+                        task.add_done_callback(self._writes.discard)
                     yield delta
-            # Here only once the consumer asked for more after the finish delta.
-            if storable(flight.deltas):
-                writing = True
-                task = asyncio.create_task(self._write(key, flight))
-                self._writes.add(task)
-                task.add_done_callback(self._writes.discard)
         finally:
             flight.end()
             if not writing and self.flights.get(key) is flight:

@@ -131,13 +131,14 @@ class Blocklist:
         return ALLOW
 
     def _phrase(self, window: str, final: bool) -> Block | None:
-        words = list(_WORD.finditer(window.lower()))
+        # Words of the window as it is, lowered one by one: lowering the whole
+        # window moves positions ("İ" lowers to two characters).
+        words = list(_WORD.finditer(window))
+        lowered = [w[0].lower() for w in words]
         for i, w in enumerate(words):
-            for phrase in self.phrases.get(w[0], ()):
+            for phrase in self.phrases.get(lowered[i], ()):
                 run = words[i : i + len(phrase)]
-                if len(run) < len(phrase) or any(
-                    m[0] != p for m, p in zip(run, phrase, strict=False)
-                ):
+                if len(run) < len(phrase) or lowered[i : i + len(phrase)] != list(phrase):
                     continue
                 # Only whitespace between the words ("top secret", not "top-secret").
                 if any(window[a.end() : b.start()].strip() for a, b in itertools.pairwise(run)):

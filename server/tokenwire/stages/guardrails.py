@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from .. import metrics
@@ -77,8 +79,8 @@ def _merge(held: list[EngineDelta], text: str, finish: str | None = None) -> Eng
     """One delta for several held ones: their tokens and usage, this text."""
     first = held[0]
     if len(held) == 1:
-        first.text, first.finish_reason = text, finish
-        return first
+        # A copy: the engine's delta may be shared (the response cache's flight).
+        return replace(first, text=text, finish_reason=finish)
     ids: list[int] | None = None
     prompt = cached = wait = None
     for d in held:
@@ -101,6 +103,21 @@ def _merge(held: list[EngineDelta], text: str, finish: str | None = None) -> Eng
     )
 
 
+_WHITESPACE_RUN = re.compile(r"\s{2,}")
+
+
+def _held_from(text: str, n: int) -> int:
+    """Where the last `n` characters of `text` start, a run of whitespace
+    counting as one; 0 if it has fewer."""
+    i = len(text)
+    while n > 0 and i > 0:
+        i -= 1
+        while text[i].isspace() and i > 0 and text[i - 1].isspace():
+            i -= 1
+        n -= 1
+    return i if n == 0 else 0
+
+
 class Window:
     """The held deltas of one generation and where they may be cut."""
 
@@ -121,8 +138,12 @@ class Window:
 
     def releasable(self) -> EngineDelta | None:
         """The longest run of whole deltas that leaves `lookahead` characters
-        held and ends between two words; None if there is none."""
+        held and ends between two words; None if there is none. A run of
+        whitespace counts as one character: filters match phrases across any
+        whitespace ("top   secret")."""
         text, limit = self.text, len(self.text) - self.lookahead
+        if _WHITESPACE_RUN.search(text, max(limit, 0)):
+            limit = _held_from(text, self.lookahead)
         end = cut = 0
         for i, d in enumerate(self.held):
             end += len(d.text)
@@ -199,7 +220,7 @@ class GuardrailStage:
                 calls = delta.tool_calls
                 finish = delta.finish_reason
                 if calls:  # checked text first, then the call, unchecked
-                    delta.tool_calls, delta.finish_reason = None, None
+                    delta = replace(delta, tool_calls=None, finish_reason=None)
                 window.add(delta)
                 if not delta.text and not calls and finish is None:
                     continue
@@ -240,8 +261,9 @@ class GuardrailStage:
             response_id=context.response_id,
             reason=block.reason if block else None,
         )
-        # The text before the blocked part, checked again as final, may go.
-        while block is not None and block.at:
+        # The text before the blocked part, checked again as final, may go
+        # (nothing does if a filter places the block outside the text).
+        while block is not None and block.at and block.at < len(text):
             text, block = await self.policy.run(filters, text[: block.at], True)
         if block is None and text:
             window.rewrite(text)  # only usage matters now: the generation ends here
