@@ -295,14 +295,19 @@ async def test_an_engine_whose_process_died_is_unavailable_and_not_ready() -> No
             engine="vllm", kv_cache_gib=1.0, max_model_len=2048, vllm_args=("--enforce-eager",)
         )
     )
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}  # other engines' processes: not these
     await engine.start()
     try:
         assert engine.ready and engine.failure is None
         stream = engine.generate(request("Count to a thousand.", max_output_tokens=2000))
         await anext(stream)
-        for child in psutil.Process().children(recursive=True):
-            if child.name().startswith("VLLM::"):
-                child.send_signal(signal.SIGKILL)
+        ours = [p for p in me.children() if p.pid not in before]
+        ours = [p for p in ours if p.name().startswith("VLLM::")]  # its EngineCore
+        killed = [p for c in ours for p in (c, *c.children(recursive=True))]
+        assert killed
+        for child in killed:
+            child.send_signal(signal.SIGKILL)
         with pytest.raises(EngineUnavailable, match="restart tokenwire"):
             async for _ in stream:
                 pass
