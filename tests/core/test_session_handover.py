@@ -145,6 +145,9 @@ def test_abandon_frees_the_key_quota_and_says_nothing() -> None:
         def acquire_response(self) -> None:
             self.held += 1
 
+        def hold_response(self) -> None:
+            self.held += 1
+
         def release_response(self) -> None:
             self.held -= 1
 
@@ -159,6 +162,25 @@ def test_abandon_frees_the_key_quota_and_says_nothing() -> None:
     assert quota.held == 0 and not s.active_responses
     assert s.events_to_send() == []
     assert isinstance(s.actions_to_perform()[-1], AbortGeneration)
+
+
+def test_a_restored_response_counts_against_its_key_even_past_the_limit() -> None:
+    """The key is at its response limit on the instance that takes over (its
+    other sessions run there): the restored response counts all the same, so
+    its end gives back exactly what it took."""
+    from tokenwire.server.admission import KeyUsage
+
+    s = Session()
+    start(s)
+    usage = KeyUsage("k", 1, None)
+    assert usage.acquire_response() is None  # another session's response: the key is full
+    r = Session.restore(over_the_wire(s), quota=usage)
+    assert usage.responses == 2
+    assert r.resume()
+    (again,) = r.actions_to_perform()
+    r.receive_engine_output(again.request.request_id, EngineDelta("done", 1, "stop"))
+    assert r.events_to_send()[-1]["response"]["status"] == "completed"
+    assert usage.responses == 1  # only the other session's response
 
 
 def test_the_client_event_count_survives_a_takeover() -> None:

@@ -39,6 +39,9 @@ class Quota(Protocol):
 
     def acquire_response(self) -> tuple[ErrorCode, str] | None: ...
 
+    def hold_response(self) -> None:
+        """Count a response that runs already (restored), whatever the limits."""
+
     def release_response(self) -> None: ...
 
     def spend_tokens(self, n: int) -> None: ...

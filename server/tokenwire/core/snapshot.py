@@ -102,7 +102,9 @@ def restore_into(session: Session, state: dict[str, Any]) -> None:
         resp = _restore_response(session, rs, now, wall, private_ids)
         lifecycle.responses[resp.id] = resp
         if lifecycle.quota is not None:
-            lifecycle.quota.acquire_response()  # released when it finishes, like any response
+            # It runs already: counted even past the key's limits (an
+            # acquire could refuse, and its release would then undercount).
+            lifecycle.quota.hold_response()
         if resp.status is ResponseStatus.REQUIRES_ACTION:
             lifecycle.wait_for_tools(resp)
     for cid, (item_id, rid, done) in state["calls"].items():

@@ -224,6 +224,9 @@ class KeyUsage:
         self.responses += 1
         return None
 
+    def hold_response(self) -> None:
+        self.responses += 1
+
     def release_response(self) -> None:
         self.responses -= 1
 
