@@ -119,6 +119,30 @@ async def test_origin_allow_list() -> None:
             assert await tw.ask("ok") == "You said: ok"
 
 
+async def test_refused_handshakes_hold_no_connection_slot() -> None:
+    """Handshakes websockets refuses after admission (a bad Origin) are not
+    counted while their entries wait for the garbage collector."""
+    import gc
+
+    overrides = {"allowed_origins": "http://app.example", "max_connections": 5}
+    async with _scripted_server(config(**overrides)) as running:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        gc.disable()  # the entries stay, as between two collections
+        try:
+            for _ in range(10):
+                with pytest.raises(InvalidStatus):
+                    async with ws_connect(
+                        running.url,
+                        origin="http://evil.example",  # type: ignore[arg-type]
+                        additional_headers=headers,
+                    ):
+                        pass
+            async with await connect(running.url, api_key=KEY) as tw:
+                assert await tw.ask("ok") == "You said: ok"
+        finally:
+            gc.enable()
+
+
 async def test_connections_per_key() -> None:
     async with _scripted_server(config(max_connections_per_key=2)) as running:
         a = await connect(running.url, api_key=KEY)

@@ -384,7 +384,7 @@ class Admission:
 
     def _limit(self, conn: ServerConnection, grant: Grant, connections: int) -> Response | None:
         usage = self.limiter.keys.get(grant.key_id)
-        if connections + len(self._accepted) >= self.config.max_connections or (
+        if connections + self._handshaking() >= self.config.max_connections or (
             usage is not None and usage.connections >= self.config.max_connections_per_key
         ):
             metrics.REJECTED.labels("too_many_connections").inc()
@@ -395,6 +395,13 @@ class Admission:
             )
         self._accepted[conn] = grant
         return None
+
+    def _handshaking(self) -> int:
+        """Handshakes admitted and still under way: one websockets refused after
+        us (a bad Origin) is gone, though its entry waits for the collector."""
+        return sum(
+            1 for c in self._accepted if c.transport is not None and not c.transport.is_closing()
+        )
 
     def mint(self, request: Request, body: bytes | None) -> Response | Awaitable[Response]:
         """`POST /v1/realtime/client_secrets`: needs a server API key (not a
