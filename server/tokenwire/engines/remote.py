@@ -50,7 +50,7 @@ from .remote_http import (
 )
 from .replicas import REQUESTS, TTFT, Replica, replica_order
 from .startup import Startup
-from .toolcalls import ParserStream, forced_scanner, structured_schema
+from .toolcalls import ParserStream, forced_scanner, split_calls, structured_schema
 
 if TYPE_CHECKING:
     import aiohttp
@@ -202,11 +202,7 @@ class RemoteEngine:
         try:
             async with aclosing(self._chunks(request, plan)) as chunks:
                 async for chunk in chunks:
-                    text, calls = chunk.text, None
-                    if scanner is not None:
-                        text, calls = "", scanner.feed(text)
-                    elif parser is not None:
-                        text, calls = parser.feed(text, list(chunk.token_ids))
+                    text, calls = split_calls(chunk.text, chunk.token_ids, scanner, parser)
                     yield EngineDelta(
                         text=text,
                         output_tokens=len(chunk.token_ids),

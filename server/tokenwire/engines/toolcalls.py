@@ -182,6 +182,21 @@ def forced_scanner(tool_choice: str | dict[str, Any]) -> NamedCallScanner | Arra
     return ArrayCallScanner()
 
 
+def split_calls(
+    text: str,
+    token_ids: Any,
+    scanner: NamedCallScanner | ArrayCallScanner | None,
+    parser: ParserStream | None,
+) -> tuple[str, list[ToolCallDelta] | None]:
+    """A delta's text and the tool calls in it: a forced call's output is all
+    call; "auto" goes through the vLLM tool parser; else it is all text."""
+    if scanner is not None:
+        return "", scanner.feed(text)
+    if parser is not None:
+        return parser.feed(text, list(token_ids))
+    return text, None
+
+
 class ParserStream:
     """Runs a vLLM tool parser (tool_choice "auto") over a generation's deltas."""
 

@@ -26,7 +26,7 @@ from .base import (
 )
 from .chat_template import ChatTemplate
 from .startup import Startup
-from .toolcalls import ParserStream, forced_scanner, structured_schema
+from .toolcalls import ParserStream, forced_scanner, split_calls, structured_schema
 from .vllm_stats import async_llm, load_tracker_class
 
 if TYPE_CHECKING:
@@ -218,19 +218,16 @@ class VllmEngine:
             async with contextlib.aclosing(outs):
                 async for out in outs:
                     completion = out.outputs[0]
-                    text, calls = completion.text, None
-                    if scanner is not None:
-                        text, calls = "", scanner.feed(text)
-                    elif parser is not None:
-                        text, calls = parser.feed(text, list(completion.token_ids))
+                    ids_out = completion.token_ids
+                    text, calls = split_calls(completion.text, ids_out, scanner, parser)
                     yield EngineDelta(
                         text=text,
-                        output_tokens=len(completion.token_ids),
+                        output_tokens=len(ids_out),
                         finish_reason=completion.finish_reason if out.finished else None,
                         prompt_tokens=len(ids) if first else None,
                         cached_tokens=(out.num_cached_tokens or 0) if first else None,
                         tool_calls=calls or None,
-                        token_ids=list(completion.token_ids),
+                        token_ids=list(ids_out),
                         queue_wait_s=_queue_wait(out.metrics) if first else None,
                     )
                     first = False
