@@ -79,6 +79,8 @@ def _merge(held: list[EngineDelta], text: str, finish: str | None = None) -> Eng
     """One delta for several held ones: their tokens and usage, this text."""
     first = held[0]
     if len(held) == 1:
+        if first.text == text and first.finish_reason == finish:
+            return first  # unchanged: no copy per released token
         # A copy: the engine's delta may be shared (the response cache's flight).
         return replace(first, text=text, finish_reason=finish)
     ids: list[int] | None = None
