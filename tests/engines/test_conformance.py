@@ -320,6 +320,17 @@ async def test_an_engine_whose_process_died_is_unavailable_and_not_ready() -> No
 
 
 @pytest.mark.vllm
+async def test_an_unknown_tool_parser_fails_before_the_engine_is_built() -> None:
+    from tokenwire.engines.vllm import VllmEngine
+
+    engine = VllmEngine(ServerConfig(engine="vllm", tool_parser="nope"))
+    with pytest.raises(EngineUnavailable, match=r"'nope' is not one of vLLM's .*hermes"):
+        await engine.start()
+    assert engine._llm is None  # refused before 25 s of building
+    assert not engine.ready
+
+
+@pytest.mark.vllm
 async def test_a_failed_engine_is_unavailable_not_a_bad_request() -> None:
     from tokenwire.engines.vllm import VllmEngine
 

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -520,6 +521,54 @@ async def test_auto_tool_calls_go_through_the_configured_vllm_parser() -> None:
     calls = [c for d in deltas for c in d.tool_calls or ()]
     assert {c.name for c in calls if c.name} == {"get_weather"}
     assert json.loads("".join(c.arguments for c in calls)) == {"city": "Paris"}
+
+
+FIRST_TOOL_REQUESTS = """
+import asyncio, json, sys
+from tests.remote.test_remote_fakes import WEATHER, Fake, Reply, ask, sse, started, token, usage
+
+async def main():
+    args = token('{"city": "Rome"}', 1, "stop")
+    a = Fake(lambda b: Reply(200, content=sse(args, usage(0))))
+    engine = await started(a, tool_parser="hermes")
+    before = set(sys.modules)
+    named = {"type": "function", "name": "get_weather"}
+    for choice in (named, "auto"):
+        async for _ in engine.generate(ask(tools=[WEATHER], tool_choice=choice)):
+            pass
+    await engine.close()
+    print(json.dumps(sorted(m for m in set(sys.modules) - before if m.startswith("vllm"))))
+
+asyncio.run(main())
+"""
+
+
+def test_a_first_request_with_tools_imports_no_vllm_on_the_event_loop() -> None:
+    """vLLM's modules take seconds of CPU to import; the remote engine imports
+    them at startup, in a thread, not when the first request with tools
+    arrives and would hold every session that long. In a fresh interpreter:
+    this one may have imported vLLM already."""
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_TOOL_REQUESTS],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+async def test_an_unknown_tool_parser_fails_the_start_and_names_the_known_ones() -> None:
+    a = Fake(lambda b: Reply(200, content=sse(token("hi", 1, "stop"), usage(0))))
+    await a.start()
+    engine = RemoteEngine(ServerConfig(engine="remote", remote_url=(a.url,), tool_parser="nope"))
+    try:
+        with pytest.raises(EngineUnavailable, match=r"'nope' is not one of vLLM's .*hermes"):
+            await engine.start()
+        assert not engine.ready and "'nope'" in (engine.failure or "")
+    finally:
+        await engine.close()
 
 
 async def test_a_server_error_mid_stream_hands_over() -> None:

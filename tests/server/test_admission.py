@@ -29,6 +29,28 @@ def test_a_bad_option_names_the_key_not_the_secret(line: str) -> None:
     assert " k " not in f" {caught.value} "
 
 
+def colliding_keys() -> tuple[str, str]:
+    """Two keys whose ids (32 bits) are equal: a birthday search, ~80k tries."""
+    seen: dict[str, str] = {}
+    for i in range(2_000_000):
+        key = f"key-{i}"
+        other = seen.setdefault(key_id(key), key)
+        if other != key:
+            return other, key
+    raise AssertionError("no collision found")
+
+
+def test_two_keys_under_one_id_are_refused_not_merged() -> None:
+    """Limits and options are kept per key id: two keys sharing one would share
+    them (one tenant's cache_salt given to the other)."""
+    a, b = colliding_keys()
+    assert a != b and key_id(a) == key_id(b)
+    with pytest.raises(KeyFileError, match=f"key {key_id(a)}: listed twice, or another key"):
+        KeyStore([f"{a} cache_salt=tenant-a", f"{b} cache_salt=tenant-b"])
+    with pytest.raises(KeyFileError, match="listed twice"):
+        KeyStore(["key-a min_priority=1", "key-a"])
+
+
 def test_serve_refuses_a_bad_key_file(tmp_path: object) -> None:
     path = tmp_path / "keys"  # type: ignore[operator]
     path.write_text("secret-key min_priority=soon\n")

@@ -12,7 +12,7 @@ import pytest
 
 from tokenwire.client import connect
 
-from ..conftest import ARTIFACTS, RedisServer, VllmServer, spawn_server
+from ..conftest import ARTIFACTS, VLLM_ENGINE_FLAGS, RedisServer, VllmServer, spawn_server
 from ..helpers.wire import Reader, Wire, resume, until_done_across_moves
 
 pytestmark = pytest.mark.vllm
@@ -37,6 +37,10 @@ async def test_kill_9_takeover_keeps_greedy_text(
         redis_server.url,
         "--lease-s",
         "1",
+        # As vllm_server's: the same numerics, and no 2 minutes of compiling.
+        "--max-model-len",
+        "2048",
+        *VLLM_ENGINE_FLAGS,
         env=env,
         log_path=ARTIFACTS / "vllm-owner.log",
         ready_timeout=600,

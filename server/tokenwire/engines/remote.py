@@ -50,7 +50,13 @@ from .remote_http import (
 )
 from .replicas import REQUESTS, TTFT, Replica, replica_order
 from .startup import Startup
-from .toolcalls import ParserStream, forced_scanner, split_calls, structured_schema
+from .toolcalls import (
+    ParserStream,
+    forced_scanner,
+    import_vllm_side,
+    split_calls,
+    structured_schema,
+)
 
 if TYPE_CHECKING:
     import aiohttp
@@ -137,6 +143,8 @@ class RemoteEngine:
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
+        # In this thread too: what a first request with tools would import.
+        import_vllm_side(self.config.tool_parser)
         source = self.config.model or self.model
         try:
             return AutoTokenizer.from_pretrained(source)

@@ -33,6 +33,7 @@ COMPLETIONS_PATH = "/v1/completions"
 # vLLM prefixes the id it is given on /inference/v1/generate with this.
 GENERATE_ID_PREFIX = "generate-tokens-"
 CONNECT_TIMEOUT_S = 5.0
+KEEPALIVE_S = 4.0  # below the 5 s uvicorn (vLLM's server) keeps an idle connection
 # A longer SSE line is garbage. Below it, a whole answer in one chunk (a high
 # stream_interval) passes aiohttp's default line limit of 512 KiB.
 MAX_LINE = 64 * 2**20
@@ -49,7 +50,10 @@ def client_session(read_timeout_s: float) -> aiohttp.ClientSession:
         # One connection per stream in flight: no cap (a capped pool would
         # queue generations behind each other). aiohttp never retries a POST,
         # which could run a generation twice.
-        connector=aiohttp.TCPConnector(limit=0),
+        # Idle connections go before the server drops them (vLLM's uvicorn:
+        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a request written into one it is
+        # closing fails, and would mark a healthy replica down.
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
         timeout=aiohttp.ClientTimeout(
             total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s
         ),

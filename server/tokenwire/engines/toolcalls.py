@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .base import ToolCallDelta
+from .base import EngineUnavailable, ToolCallDelta
 
 
 def forced_call_text(calls: list[tuple[str, dict[str, Any]]], named: bool) -> str:
@@ -146,6 +146,26 @@ class ArrayCallScanner:
 
 # ---------------------------------------------------------------------------
 # vLLM side (imports vllm lazily; the scripted engine never calls these)
+
+
+def import_vllm_side(tool_parser: str | None) -> None:
+    """Import what the functions below import, off the event loop: vLLM's
+    modules take seconds of CPU to import (8 s measured on the remote
+    gateway, which imports no vLLM otherwise), and the first request with
+    tools would hold every session on the loop that long."""
+    from vllm.entrypoints.openai.chat_completion import protocol  # noqa: F401
+    from vllm.tool_parsers import utils  # noqa: F401
+    from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+
+    if not tool_parser:
+        return
+    try:
+        ToolParserManager.get_tool_parser(tool_parser)  # imports its module
+    except KeyError:
+        known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
+        raise EngineUnavailable(
+            f"--tool-parser {tool_parser!r} is not one of vLLM's tool parsers: " + ", ".join(known)
+        ) from None
 
 
 def _vllm_tools(tools: list[dict[str, Any]]) -> list[Any]:

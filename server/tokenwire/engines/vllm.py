@@ -26,7 +26,13 @@ from .base import (
 )
 from .chat_template import ChatTemplate
 from .startup import Startup
-from .toolcalls import ParserStream, forced_scanner, split_calls, structured_schema
+from .toolcalls import (
+    ParserStream,
+    forced_scanner,
+    import_vllm_side,
+    split_calls,
+    structured_schema,
+)
 from .vllm_stats import async_llm, load_tracker_class
 
 if TYPE_CHECKING:
@@ -102,6 +108,8 @@ class VllmEngine:
         args = settings.args
         self.model_path = args.model
         self._tracker = load_tracker_class()
+        # Refuses an unknown --tool-parser before the engine is built.
+        await asyncio.to_thread(import_vllm_side, self.config.tool_parser)
         log.info(
             "engine_starting",
             model=args.model,

@@ -128,6 +128,14 @@ class KeyStore:
             if entry is not None:
                 key, options = entry
                 kid = key_id(key)
+                if kid in self._options:
+                    # Limits and options are kept per id: two keys under one
+                    # (the same key twice, or 1 in 2^32 pairs) would share them.
+                    raise KeyFileError(
+                        f"key {kid}: listed twice, or another key has the same id "
+                        "(the first 32 bits of its SHA-256); keep one entry per key, "
+                        "or replace one of the two keys"
+                    )
                 self._digests[hashlib.sha256(key.encode()).digest()] = kid
                 self._options[kid] = options
 
