@@ -67,6 +67,19 @@ def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
+def log_tail(path: Path, lines: int = 25) -> str:
+    """A server log's last lines, its stalls first, without vLLM's teardown noise."""
+    if not path.exists():
+        return f"({path} missing)"
+    kept = [
+        line
+        for line in path.read_text(errors="replace").splitlines()
+        if "leaked" not in line and "nanobind" not in line
+    ]
+    stalls = [line for line in kept if "event_loop_stalled" in line]
+    return "\n".join([*stalls[-5:], "...", *kept[-lines:]])
+
+
 @dataclass
 class Spawned:
     proc: subprocess.Popen

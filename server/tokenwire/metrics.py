@@ -155,6 +155,13 @@ CACHE_EVICTIONS = Counter(
 )
 
 
+LOOP_LAG = TokenHistogram(
+    "tokenwire_event_loop_lag_seconds",
+    "How late the event loop ran a timer due every 0.5 s: what every session waited",
+    buckets=(0.001, 0.005, 0.025, 0.1, 0.25, 1.0, 2.5, 5.0, 10.0),
+)
+
+
 GUARDRAIL_BLOCKS = Counter(
     "tokenwire_guardrail_blocks_total", "Generations a guardrail filter stopped", ["filter"]
 )

@@ -390,6 +390,13 @@ def test_frames_that_do_not_parse_count_against_the_event_rate(clock: Clock) -> 
         ),
         ({"type": "response.create", "response": {"metadata": {"k" * 65: ""}}}, None),
         ({"type": "response.create", "response": {"metadata": {"k": "v" * 513}}}, None),
+        (
+            {
+                "type": "response.create",
+                "response": {"input": [{"type": "message", "role": "user", "content": "x"}] * 1025},
+            },
+            "response.input",
+        ),
         ({"type": "conversation.item.retrieve", "item_id": "\x01" * 100_000}, "item_id"),
         ({"type": "conversation.item.delete", "item_id": "i" * 129}, "item_id"),
         ({"type": "response.cancel", "response_id": "r" * 129}, "response_id"),

@@ -242,6 +242,16 @@ def test_include_that_is_not_an_array_is_refused(h: GAHarness, bad: Any) -> None
     assert (error["error"]["code"], error["error"]["param"]) == ("invalid_value", "session.include")
 
 
+def test_an_input_over_1024_items_is_refused_before_any_is_read(h: GAHarness) -> None:
+    items = [message("hi")] * 1024
+    h.send({"type": "response.create", "response": {"input": [*items, {"type": "x"}]}})
+    (error,) = h.take()
+    assert (error["error"]["code"], error["error"]["param"]) == ("invalid_value", "response.input")
+    assert "at most 1024 items, got 1025" in error["error"]["message"]
+    h.send({"type": "response.create", "response": {"input": items, "conversation": "none"}})
+    assert "error" not in types(h.take())
+
+
 def test_an_empty_include_and_a_null_response_pass(h: GAHarness) -> None:
     h.send({"type": "session.update", "session": {"type": "realtime", "include": []}})
     h.send(create(message("hi")))

@@ -13,6 +13,7 @@ import os
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ from ..conftest import (
     Spawned,
     VllmServer,
     http_json,
+    log_tail,
     spawn_server,
 )
 from ..helpers.tools import WEATHER_DESCRIBED as WEATHER
@@ -46,18 +48,34 @@ def gateway(vllm_openai: VllmOpenAI) -> Iterator[Spawned]:
         # Small buffers and caps: a client that stops reading pauses within seconds.
         *VLLM_BACKPRESSURE_FLAGS,
         env=dict(os.environ, TOKENWIRE_LOG_LEVEL="info"),
-        log_path=ARTIFACTS / "tokenwire-remote.log",
+        log_path=LOG,
         ready_timeout=120,
     ) as spawned:
         yield spawned
 
 
+LOG = ARTIFACTS / "tokenwire-remote.log"
+# Generous: the vLLM server's processes take both cores while they generate.
+# A gateway that stalls says so in its log (event_loop_stalled).
+PATIENCE_S = 30.0
+
+
 def health(gateway: Spawned) -> dict:
-    return http_json(gateway.http + "/healthz")[1]
+    try:
+        return http_json(gateway.http + "/healthz", timeout=PATIENCE_S)[1]
+    except TimeoutError:
+        raise AssertionError(f"no /healthz answer in {PATIENCE_S:g} s:\n{log_tail(LOG)}") from None
+
+
+async def session(gateway: Spawned, **kwargs: Any) -> Client:
+    try:
+        return await connect(gateway.url, open_timeout=PATIENCE_S, **kwargs)
+    except TimeoutError:
+        raise AssertionError(f"no handshake in {PATIENCE_S:g} s:\n{log_tail(LOG)}") from None
 
 
 async def test_a_client_streams_an_answer(gateway: Spawned, vllm_openai: VllmOpenAI) -> None:
-    async with await connect(gateway.url, protocol="json") as tw:
+    async with await session(gateway, protocol="json") as tw:
         await tw.add_message("What is the capital of France?")
         response = await tw.create_response(temperature=0, max_output_tokens=40)
         deltas = [d async for d in response.text_deltas()]
@@ -95,7 +113,7 @@ async def test_text_equals_the_in_process_engine(gateway: Spawned, vllm_server: 
 
 
 async def test_cancel_frees_the_remote_slot(gateway: Spawned, vllm_openai: VllmOpenAI) -> None:
-    async with await connect(gateway.url, protocol="msgpack") as tw:
+    async with await session(gateway, protocol="msgpack") as tw:
         await tw.add_message("Write a very long story about a dragon and a knight.")
         response = await tw.create_response(temperature=0, max_output_tokens=1000, ignore_eos=True)
         seen = 0
@@ -121,7 +139,7 @@ async def test_pause_and_resume_is_byte_identical(
     gateway: Spawned, vllm_openai: VllmOpenAI
 ) -> None:
     params = {"temperature": 0, "max_output_tokens": 260, "ignore_eos": True}
-    async with await connect(gateway.url) as tw:
+    async with await session(gateway) as tw:
         await tw.add_message(ESSAY)
         baseline = await tw.create_response(**params)
         expected = await baseline.text()
@@ -169,7 +187,7 @@ async def retrieve(tw: Client, item_id: str) -> dict:
 
 
 async def test_steer_mid_stream_continues_on_the_remote_server(gateway: Spawned) -> None:
-    async with await connect(gateway.url) as tw:
+    async with await session(gateway) as tw:
         await tw.add_message("Tell me a long story about a brave knight.")
         response = await tw.create_response(temperature=0, max_output_tokens=60)
         seen, steered = 0, None
@@ -194,7 +212,7 @@ async def test_forced_tool_call_then_result_continues(gateway: Spawned) -> None:
         calls.append({"city": city})
         return {"city": city, "temperature_c": 22, "sky": "sunny"}
 
-    async with await connect(gateway.url, tools={"get_weather": get_weather}) as tw:
+    async with await session(gateway, tools={"get_weather": get_weather}) as tw:
         await tw.update_session(tools=[WEATHER], temperature=0)
         await tw.add_message("What is the weather in Paris?")
         response = await tw.create_response(tool_choice="required", max_output_tokens=80)

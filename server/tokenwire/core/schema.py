@@ -64,6 +64,9 @@ IdRef = Annotated[str, StringConstraints(max_length=128)]
 # OpenAI's limits: 128 tools; metadata of 16 pairs, keys of 64 and values of
 # 512 characters. Each tool costs validation and prompt work on every response.
 MAX_TOOLS = 128
+# Items one response.create may carry in `input`: past some thousands a
+# frame's validation alone holds the event loop (20,000: 0.44 s).
+MAX_INPUT_ITEMS = 1024
 Metadata = Annotated[
     dict[
         Annotated[str, StringConstraints(max_length=64)],
@@ -143,7 +146,7 @@ class ResponseParams(_Settings):
     # Items used instead of the conversation when conversation is "none";
     # with "auto", tokenwire v1 appends them to it and OpenAI's sessions use
     # them instead of it (`[]`: an empty context; None: no input).
-    input: list[Item] | None = None
+    input: Annotated[list[Item], Field(max_length=MAX_INPUT_ITEMS)] | None = None
     metadata: Metadata | None = None
     # Generate exactly max_output_tokens; for benchmarks.
     ignore_eos: bool = False

@@ -35,6 +35,7 @@ from .client_secrets import ClientSecrets
 from .collector import COLLECTOR
 from .heartbeat import Heartbeat
 from .http import error_response, http_response, json_response, static_route
+from .loop_watch import LoopWatch
 from .registry import Registry
 from .tls import server_context
 
@@ -95,6 +96,7 @@ class TokenwireServer:
         # Keepalive pings for every connection (websockets' own: a task each).
         interval = config.ping_interval_s
         self.heartbeat = Heartbeat(interval, interval) if interval > 0 else None
+        self.loop_watch = LoopWatch()
         tables = self.registry.reclaimer.tables
         tables += [
             self.connections,
@@ -299,6 +301,7 @@ class TokenwireServer:
         self._engine_task.add_done_callback(self._check_priority_lanes)
         if self.heartbeat is not None:
             self.heartbeat.start()
+        self.loop_watch.start()
         try:
             self._server = await self._listen(tls)
         except OSError as exc:
@@ -410,6 +413,7 @@ class TokenwireServer:
         self.registry.reclaimer.cancel()
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        self.loop_watch.stop()
         if self._engine_task is not None and not self._engine_task.done():
             self._engine_task.cancel()
         await self.engine.close()

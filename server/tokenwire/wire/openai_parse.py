@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core import events as ev
+from ..core.schema import MAX_INPUT_ITEMS
 from .openai_errors import (
     GACode,
     Refused,
@@ -14,6 +15,7 @@ from .openai_errors import (
     check_map,
     check_part,
     check_settings,
+    invalid,
     missing,
 )
 
@@ -67,6 +69,9 @@ def _settings(raw: Any, prefix: str, eid: str | None, strict: bool, kind: str) -
     check_settings(raw, prefix, eid, strict)
     out = {k: v for k, v in raw.items() if k in passed and v is not None}  # null: leave as is
     if isinstance(out.get("input"), list):
+        if len(out["input"]) > MAX_INPUT_ITEMS:  # before the walk over each one
+            why = f"at most {MAX_INPUT_ITEMS} items, got {len(out['input'])}"
+            raise invalid("response.input", why, eid)
         out["input"] = [_item(it, f"response.input[{i}]", eid) for i, it in enumerate(out["input"])]
     return out
 
