@@ -226,6 +226,22 @@ async def test_a_delta_is_one_command_and_the_ttls_are_kept(
     assert [s for s, _ in await log.read(0)] == list(range(1, 13))
 
 
+async def test_a_write_that_lands_after_the_drop_expires(store: RedisStore) -> None:
+    """An entry on its way while the session ended recreates the stream: with
+    the TTL, not forever (a lone delta and a batch alike)."""
+    sid = f"sess_conf_{next(_ids)}"
+    key = f"tw:{sid}:log"
+    await store.register(sid, None)
+    await write(RedisLog(store, sid), range(1, 2), snapshot={"at": 1})
+    await store.drop(sid)
+    assert not await store.redis.exists(key)
+    await store.append(sid, [(2, b"late")], None, None, refresh_ttl=False)  # group commit
+    assert await store.redis.exists(key) and 0 < await store.redis.pttl(key) <= 60_000
+    await store.drop(sid)
+    await store.append(sid, [(3, b"late"), (4, b"later")], None, None, refresh_ttl=False)
+    assert 0 < await store.redis.pttl(key) <= 60_000
+
+
 async def test_sessions_deltas_are_committed_together_and_fail_alone(store: RedisStore) -> None:
     """Lone deltas of many sessions in one loop turn share one pipeline; a
     fenced owner among them fails alone."""

@@ -18,10 +18,12 @@ if TYPE_CHECKING:
     import redis.asyncio as redis
 
 # KEYS: per session its stream and its meta hash. ARGV: the MAXLEN, the
-# writing instance, then per stream its entry id, its number of fields and the
-# fields ("e", the event, first). Returns per stream 1, or the error.
+# writing instance, the keys' TTL in ms, then per stream its entry id, its
+# number of fields and the fields ("e", the event, first). Returns per stream
+# 1, or the error. A stream whose meta is gone (the session dropped while this
+# entry was on its way) gets the TTL: it would otherwise stay forever.
 _XADDS = """
-local out, at = {}, 3
+local out, at = {}, 4
 for i = 1, #KEYS, 2 do
   local n = tonumber(ARGV[at + 1])
   local owner = redis.call('HGET', KEYS[i + 1], 'owner')
@@ -36,6 +38,7 @@ for i = 1, #KEYS, 2 do
       if #got == 1 and got[1][2][2] == ARGV[at + 3] then r = 1 else r = r.err end
     else
       r = 1
+      if not owner then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
     end
     out[#out + 1] = r
   end
@@ -52,10 +55,11 @@ MAX_PER_CALL = 256
 
 
 class GroupCommit:
-    def __init__(self, client: redis.Redis, maxlen: int, owner: str) -> None:
+    def __init__(self, client: redis.Redis, maxlen: int, owner: str, ttl_ms: int) -> None:
         self._xadds = client.register_script(_XADDS)
         self._maxlen = maxlen
         self._owner = owner
+        self._ttl_ms = ttl_ms
         self._queued: list[_Queued] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -77,7 +81,7 @@ class GroupCommit:
         try:
             while self._queued:  # what queued during a commit goes in the next
                 batch, self._queued = self._queued[:MAX_PER_CALL], self._queued[MAX_PER_CALL:]
-                keys, args = [], [self._maxlen, self._owner]
+                keys, args = [], [self._maxlen, self._owner, self._ttl_ms]
                 for key, meta, entry_id, fields, _ in batch:
                     keys += (key, meta)
                     args += (entry_id, len(fields))

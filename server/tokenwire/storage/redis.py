@@ -95,6 +95,8 @@ end
 if ARGV[5] ~= '' then redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[3]) end
 if ARGV[4] == '1' then
   for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+elseif not owner then  -- dropped meanwhile: what this wrote must not stay forever
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
 return 1
 """
@@ -176,7 +178,7 @@ class RedisStore:
         self._append = self.redis.register_script(_APPEND)
         self._drop = self.redis.register_script(_DROP)
         self._tasks: list[asyncio.Task[None]] = []
-        self._group = GroupCommit(self.redis, maxlen, self.instance_id)
+        self._group = GroupCommit(self.redis, maxlen, self.instance_id, self.ttl_ms)
 
     # -- instance lifecycle -----------------------------------------------------
 
