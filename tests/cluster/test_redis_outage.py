@@ -305,3 +305,43 @@ async def test_a_resume_while_redis_is_slow_sends_session_resumed_after_the_repl
         while (await recv(ws))["type"] != "response.done":
             pass
         await ws.close()
+
+
+async def test_a_follower_sees_the_end_of_a_session_whose_drop_failed(
+    redis_server: RedisServer,
+) -> None:
+    """A ends a session its client follows from B, but Redis fails the drop:
+    its keys still name A. B's follower, pinging A, sees the end (1011) at
+    once, not after the keys' TTL (an hour)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async with (
+        serving(redis_server.url, resume_grace_s=60) as a,
+        serving(redis_server.url, resume_grace_s=60) as b,
+    ):
+        ws = await open_ws(a.url)
+        sid = (await recv(ws))["session"]["id"]
+        ws.transport.abort()
+        await until(lambda: a.server.sessions[sid].state == "detached", "A's socket dropped")
+        follower = await open_ws(b.url)
+        await recv(follower)  # its own session.created
+        await follower.send(
+            json.dumps({"type": "session.resume", "session_id": sid, "last_seq": 1})
+        )
+        await until(lambda: a.server.sessions[sid].state == "remote", "B follows A's session")
+        store = a.server.store
+        assert store is not None
+        drop = store.drop
+
+        async def failing(session_id: str) -> None:
+            raise RedisConnectionError("Redis went away")
+
+        store.drop = failing  # type: ignore[method-assign]
+        with pytest.raises(RedisConnectionError):
+            await a.server.registry.end_session(a.server.sessions[sid])
+        store.drop = drop  # type: ignore[method-assign]
+        assert sid not in a.server.sessions
+        assert (await store.meta(sid)).owner == store.instance_id  # type: ignore[union-attr]
+        code, reason = await closed_with(follower)
+        assert (code, reason) == (1011, "the session ended")
+        assert await store.meta(sid) is None

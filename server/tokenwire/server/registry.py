@@ -4,6 +4,7 @@ takeover from a dead owner, the resume grace period, and the end."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from .. import metrics
@@ -36,6 +37,7 @@ class Registry:
         self._expiring: set[asyncio.Task[None]] = set()
         # Takeovers under way, by session: a second resume meanwhile waits for the first.
         self._taking: dict[str, asyncio.Future[SessionRuntime | None]] = {}
+        self.draining = False  # set by the server's drain: sessions it hands over stay
         self.reclaimer = Reclaimer()
         self.reclaimer.tables.append(self.sessions)
 
@@ -142,6 +144,13 @@ class Registry:
     async def on_forward(self, sid: str, op: str, data: Any, follower: str) -> None:
         """An op a follower on another instance forwarded to this owner."""
         runtime = self.sessions.get(sid)
+        if runtime is None and self._ended_here(sid):
+            # Its keys outlived a drop that failed: dropped now (only if still
+            # ours), the follower sees the end, rather than wait for the TTL.
+            assert self.store is not None
+            with contextlib.suppress(Exception):
+                await self.store.drop(sid)
+            return
         if runtime is None or runtime.state in GONE:
             return
         if op != "attach" and follower != runtime.follower:
@@ -152,6 +161,12 @@ class Registry:
         cluster.receive_forwarded(runtime, op, data, follower)
         if runtime.state in (RuntimeState.REMOTE, RuntimeState.DETACHED):
             self.arm_expiry(runtime)  # the follower is alive: the grace period starts over
+
+    def _ended_here(self, sid: str) -> bool:
+        """Not here and not coming: not being taken over, and not handed over
+        by a drain (its meta names this instance until the next owner claims
+        it)."""
+        return self.store is not None and not self.draining and sid not in self._taking
 
     def arm_expiry(self, runtime: SessionRuntime) -> None:
         if runtime.expiry is not None:
