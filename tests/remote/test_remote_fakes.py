@@ -559,6 +559,20 @@ def test_a_first_request_with_tools_imports_no_vllm_on_the_event_loop() -> None:
     assert json.loads(done.stdout.splitlines()[-1]) == []
 
 
+def test_a_gateway_without_vllm_starts_unless_it_needs_a_tool_parser(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The `remote` extra installs no vLLM: the preload passes, and only a
+    --tool-parser (vLLM's code) is refused, saying what to install."""
+    from tokenwire.engines.toolcalls import import_vllm_side
+
+    for name in ("vllm", "vllm.entrypoints.openai.chat_completion", "vllm.tool_parsers"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    import_vllm_side(None)
+    with pytest.raises(EngineUnavailable, match=r"--tool-parser needs vLLM installed"):
+        import_vllm_side("hermes")
+
+
 async def test_an_unknown_tool_parser_fails_the_start_and_names_the_known_ones() -> None:
     a = Fake(lambda b: Reply(200, content=sse(token("hi", 1, "stop"), usage(0))))
     await a.start()

@@ -152,11 +152,18 @@ def import_vllm_side(tool_parser: str | None) -> None:
     """Import what the functions below import, off the event loop: vLLM's
     modules take seconds of CPU to import (8 s measured on the remote
     gateway, which imports no vLLM otherwise), and the first request with
-    tools would hold every session on the loop that long."""
-    from vllm.entrypoints.openai.chat_completion import protocol  # noqa: F401
-    from vllm.tool_parsers import utils  # noqa: F401
-    from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
-
+    tools would hold every session on the loop that long. A remote gateway
+    installed without vLLM (the `remote` extra) serves all but tools."""
+    try:
+        from vllm.entrypoints.openai.chat_completion import protocol  # noqa: F401
+        from vllm.tool_parsers import utils  # noqa: F401
+        from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+    except ImportError:
+        if tool_parser:
+            raise EngineUnavailable(
+                "--tool-parser needs vLLM installed: pip install 'tokenwire[vllm]'"
+            ) from None
+        return
     if not tool_parser:
         return
     try:

@@ -32,7 +32,13 @@ from ..storage.eventlog import EventLog, Fenced, Frame, LogState
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_SLOW_CLIENT
 from .flag import Flag
-from .ws import close_or_abort, set_sndbuf, wait_buffer_below, write_messages
+from .ws import (
+    close_or_abort,
+    fell_behind_the_log,
+    set_sndbuf,
+    wait_buffer_below,
+    write_messages,
+)
 
 _OPEN = State.OPEN  # per token: a lookup through the enum class takes 9x as long
 
@@ -120,8 +126,7 @@ class Delivery:
         self._writing = False  # between start_writer and stop_writer
         self._log_lock = asyncio.Lock()  # one durable batch at a time, in seq order
         self._wakeup = Flag()
-        self.drained = Flag()  # set while below the hard cap
-        self.drained.set()
+        self.drained = Flag(True)  # set while below the hard cap
         self._stall_timer: asyncio.TimerHandle | None = None
         self._slow_timer: asyncio.TimerHandle | None = None
         self._closer: asyncio.Task[None] | None = None
@@ -159,14 +164,18 @@ class Delivery:
         return replayed
 
     async def _send_logged(self, ws: ServerConnection, *, paced: bool = False) -> int:
-        """Send what the log holds after sent_seq; returns how many events. A
-        durable log may be written meanwhile: read until caught up with it."""
+        """Send what the log holds after sent_seq (read until caught up: a durable
+        log may be written meanwhile); returns how many events."""
         sent = 0
         while self.sent_seq < self.logged_seq:
             got = await self.log.read(self.sent_seq)
             frames = [(seq, f) for seq, f in got if seq > self.sent_seq]
             if not frames:
                 break
+            if frames[0][0] != self.sent_seq + 1:  # trimmed (MAXLEN) as a slow replay went on
+                self.closed_for = "replay_gap"
+                await fell_behind_the_log(ws, self.dialect, self.sent_seq, frames[0][0])
+                raise ConnectionClosedError(None, None)
             for seq, frame in frames:
                 if paced:
                     await self._write_paced(ws, list(self.dialect.from_logged(frame)))
@@ -286,8 +295,7 @@ class Delivery:
     # -- backpressure ------------------------------------------------------------
 
     def behind(self) -> bool:
-        """The client fell behind and has not been seen to catch up (the
-        writer task's `_caught_up` ends this)."""
+        """The client fell behind, not yet seen to catch up (`_caught_up` ends this)."""
         return (
             self.paused
             or self._stall_timer is not None
@@ -314,8 +322,7 @@ class Delivery:
         if self.drained.is_set():  # newly behind: compact once, not on every event
             self.drained.clear()
             self.outbox.compact()
-        # Every time, though: a frame read just before the pause may have
-        # started a generation.
+        # Every time, though: a frame read just before may have started a generation.
         self._owner.fall_behind(why)
 
     def _on_stall(self) -> None:
@@ -420,9 +427,8 @@ class Delivery:
             await self._send_batch(batch)
 
     async def _send_batch(self, batch: list[tuple[dict[str, Any], Frame]]) -> None:
-        """Send logged events; `batch` holds each with its logged frame. To a
-        socket with nothing waiting in its buffer, in one write, without
-        `ws.send`'s wait (as `send` does without a log)."""
+        """Send logged events (each with its logged frame); to a socket with an empty
+        buffer in one write, without `ws.send`'s wait (as `send` does without a log)."""
         logged_by = self.dialect
         ws = self.ws if self.live else None
         if ws is not None and writable_now(ws):

@@ -11,8 +11,8 @@ class Flag(asyncio.Event):
     A session has three events and at most one task waits on each; an empty
     deque takes about 600 bytes, an empty list 56."""
 
-    def __init__(self) -> None:
+    def __init__(self, value: bool = False) -> None:
         # Not Event.__init__, which makes the deque; set, clear and wait only
         # iterate, append to and remove from `_waiters`.
-        self._value = False
+        self._value = value
         self._waiters = []  # type: ignore[assignment]

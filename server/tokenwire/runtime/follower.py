@@ -21,13 +21,12 @@ import uuid
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from ..core.errors import ErrorCode, error_event
 from ..logs import get_logger
 from ..storage.redis import RedisStore
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
 from .socket import Outcome
-from .ws import close_or_abort
+from .ws import close_or_abort, fell_behind_the_log
 
 log = get_logger("tokenwire.follow")
 
@@ -66,7 +65,7 @@ class Follower:
                 )
                 for entry in entries:
                     if entry.seq != sent + 1:  # trimmed past this client (MAXLEN)
-                        await self._fail(ws, dialect, entry.seq, sent)
+                        await fell_behind_the_log(ws, dialect, sent, entry.seq)
                         return "ended"
                     for frame in dialect.from_logged(entry.event):
                         await ws.send(frame)
@@ -120,14 +119,3 @@ class Follower:
         the follower has no seq of its own to give it)."""
         if self._ws is not None:
             await close_or_abort(self._ws, CLOSE_SERVICE_RESTART, "draining; resume the session")
-
-    async def _fail(self, ws: ServerConnection, dialect: Dialect, got: int, sent: int) -> None:
-        event = error_event(
-            ErrorCode.RESUME_NOT_POSSIBLE,
-            f"events {sent + 1}..{got - 1} are no longer kept; start a new session",
-        )
-        event["seq"] = sent + 1
-        with contextlib.suppress(ConnectionClosed):
-            for frame in dialect.frames(event):
-                await ws.send(frame)
-            await ws.close(1011, "fell behind the session's log")

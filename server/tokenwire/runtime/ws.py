@@ -11,9 +11,10 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosedError
+from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
-from ..wire import Frame
+from ..core.errors import ErrorCode, error_event
+from ..wire import Dialect, Frame
 
 
 async def unless_closed(ws: ServerConnection, awaitable: Awaitable[Any]) -> None:
@@ -104,3 +105,18 @@ def write_messages(ws: ServerConnection, messages: Sequence[Frame]) -> None:
         transport.write(data_frame(messages[0]))
     else:
         transport.writelines([data_frame(m) for m in messages])
+
+
+async def fell_behind_the_log(ws: ServerConnection, dialect: Dialect, sent: int, got: int) -> None:
+    """The log was trimmed past what this client was sent (`sent`; the oldest
+    left is `got`): say which events are lost, with the seq the client
+    expected, and close. A client cannot resume past a gap."""
+    event = error_event(
+        ErrorCode.RESUME_NOT_POSSIBLE,
+        f"events {sent + 1}..{got - 1} are no longer kept; start a new session",
+    )
+    event["seq"] = sent + 1
+    with contextlib.suppress(ConnectionClosed):
+        for frame in dialect.frames(event):
+            await ws.send(frame)
+        await ws.close(1011, "fell behind the session's log")

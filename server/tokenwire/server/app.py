@@ -372,7 +372,7 @@ class TokenwireServer:
         (with Redis) or end them."""
         # Still listening: /readyz says 503 and new WebSocket handshakes get
         # 503, so a load balancer moves on (nginx: proxy_next_upstream http_503).
-        self.draining = self.registry.draining = True
+        self.draining = True
         # With Redis another instance continues a session at once; without,
         # a new session on a restarted or other instance is the way on.
         retry_ms = 0 if self.store is not None else int(self.config.drain_timeout_s * 1000)

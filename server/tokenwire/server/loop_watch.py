@@ -2,9 +2,10 @@
 
 One timer, due every `period_s`, measures how late it fires. Lateness is what
 a blocking call costs all sessions at once (a slow import, a long collection,
-a CPU the engine's processes take); it goes to a histogram, and a stall of
-`stalled_s` or more is logged with its length, so a slow /healthz or a late
-token can be told apart from a slow client or engine.
+a CPU the engine's processes take); it goes to a histogram, and a lateness of
+`stalled_s` or more is logged, so a slow /healthz or a late token can be told
+apart from a slow client or engine. Lateness is a stall's length less up to
+`period_s` (the part before the timer was due).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ takeover from a dead owner, the resume grace period, and the end."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
 from typing import Any
 
 from .. import metrics
@@ -37,7 +37,9 @@ class Registry:
         self._expiring: set[asyncio.Task[None]] = set()
         # Takeovers under way, by session: a second resume meanwhile waits for the first.
         self._taking: dict[str, asyncio.Future[SessionRuntime | None]] = {}
-        self.draining = False  # set by the server's drain: sessions it hands over stay
+        # Sessions that ended here but whose keys Redis failed to drop, by when
+        # that was: a follower's next forward drops them (the TTL, at most).
+        self._undropped: dict[str, float] = {}
         self.reclaimer = Reclaimer()
         self.reclaimer.tables.append(self.sessions)
 
@@ -144,12 +146,12 @@ class Registry:
     async def on_forward(self, sid: str, op: str, data: Any, follower: str) -> None:
         """An op a follower on another instance forwarded to this owner."""
         runtime = self.sessions.get(sid)
-        if runtime is None and self._ended_here(sid):
+        if runtime is None and sid in self._undropped:
             # Its keys outlived a drop that failed: dropped now (only if still
             # ours), the follower sees the end, rather than wait for the TTL.
             assert self.store is not None
-            with contextlib.suppress(Exception):
-                await self.store.drop(sid)
+            if await self.store.drop(sid):
+                self._undropped.pop(sid, None)
             return
         if runtime is None or runtime.state in GONE:
             return
@@ -161,12 +163,6 @@ class Registry:
         cluster.receive_forwarded(runtime, op, data, follower)
         if runtime.state in (RuntimeState.REMOTE, RuntimeState.DETACHED):
             self.arm_expiry(runtime)  # the follower is alive: the grace period starts over
-
-    def _ended_here(self, sid: str) -> bool:
-        """Not here and not coming: not being taken over, and not handed over
-        by a drain (its meta names this instance until the next owner claims
-        it)."""
-        return self.store is not None and not self.draining and sid not in self._taking
 
     def arm_expiry(self, runtime: SessionRuntime) -> None:
         if runtime.expiry is not None:
@@ -189,7 +185,16 @@ class Registry:
             return  # it lives on elsewhere
         await runtime.end()
         if self.store is not None and runtime.state is RuntimeState.ENDED:
-            await self.store.drop(runtime.session.id)
+            if not await self.store.drop(runtime.session.id):
+                self._remember_undropped(runtime.session.id)
+
+    def _remember_undropped(self, sid: str) -> None:
+        assert self.store is not None
+        now = time.monotonic()
+        horizon = now - self.store.ttl_ms / 1000  # by then Redis expired the keys
+        for old in [s for s, at in self._undropped.items() if at < horizon]:
+            del self._undropped[old]
+        self._undropped[sid] = now
 
     def forget(self, runtime: SessionRuntime) -> None:
         """The session ends here, or moved to another instance."""

@@ -365,11 +365,14 @@ class RedisStore:
         pipe.pexpire(_key("inst", owner, "inbox"), self.ttl_ms)
         await pipe.execute()
 
-    async def drop(self, sid: str) -> None:
-        """The session ended: its log goes with it."""
-        with contextlib.suppress(redis.RedisError):
+    async def drop(self, sid: str) -> bool:
+        """The session ended: its log goes with it. False if Redis failed us."""
+        try:
             keys = [_key(sid, "log"), _key(sid, "state"), _key(sid, "meta")]
             await self._drop(keys=keys, args=[self.instance_id])
+        except redis.RedisError:
+            return False
+        return True
 
     # -- client secrets -----------------------------------------------------------
 
