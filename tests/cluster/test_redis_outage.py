@@ -81,6 +81,15 @@ async def recv(ws: ClientConnection) -> dict:
     return json.loads(await asyncio.wait_for(ws.recv(), 10))
 
 
+async def detached_session(running: RunningServer) -> str:
+    """A session on `running` whose socket dropped: its id."""
+    ws = await open_ws(running.url)
+    sid = (await recv(ws))["session"]["id"]
+    ws.transport.abort()
+    await until(lambda: running.server.sessions[sid].state == "detached", "the socket dropped")
+    return sid
+
+
 async def closed_with(ws: ClientConnection) -> tuple[int, str]:
     """The close code and reason the server sent, reading past any events."""
     with pytest.raises(ConnectionClosed) as closed:
@@ -228,10 +237,7 @@ async def test_two_resumes_at_once_take_a_dead_owners_session_over_once(
         serving(redis_server.url, resume_grace_s=60) as a,
         serving(redis_server.url, resume_grace_s=60) as b,
     ):
-        ws = await open_ws(a.url)
-        sid = (await recv(ws))["session"]["id"]
-        ws.transport.abort()
-        await until(lambda: a.server.sessions[sid].state == "detached", "A's socket dropped")
+        sid = await detached_session(a)
         await a.server.store.release()  # A's lease is gone: as if it died
         store = b.server.store
         assert store is not None
@@ -317,10 +323,7 @@ async def test_a_follower_sees_the_end_of_a_session_whose_drop_failed(
         serving(redis_server.url, resume_grace_s=60) as a,
         serving(redis_server.url, resume_grace_s=60) as b,
     ):
-        ws = await open_ws(a.url)
-        sid = (await recv(ws))["session"]["id"]
-        ws.transport.abort()
-        await until(lambda: a.server.sessions[sid].state == "detached", "A's socket dropped")
+        sid = await detached_session(a)
         follower = await open_ws(b.url)
         await recv(follower)  # its own session.created
         await follower.send(
