@@ -110,7 +110,7 @@ def spawn_server(
         stderr=subprocess.STDOUT,
         env=env,
     )
-    tail = (lambda: log_path.read_text()[-4000:]) if log_path else (lambda: "(no log)")
+    tail = (lambda: log_tail(log_path)) if log_path else (lambda: "(no log)")
     try:
         deadline = time.monotonic() + ready_timeout
         while True:

@@ -122,6 +122,8 @@ class RemoteEngine:
             raise EngineUnavailable(f"the servers serve different models: {sorted(models)}")
         self.model = self.replicas[0].model
         self._template = ChatTemplate(await asyncio.to_thread(self._load_tokenizer))
+        # What a first request with tools would import, off the event loop.
+        await asyncio.to_thread(import_vllm_side, self.config.tool_parser)
         for replica in self.replicas:
             await check_rendering(self._client, self._template, replica)
             await probe_endpoint(self._client, self._template, replica)
@@ -143,8 +145,6 @@ class RemoteEngine:
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        # In this thread too: what a first request with tools would import.
-        import_vllm_side(self.config.tool_parser)
         source = self.config.model or self.model
         try:
             return AutoTokenizer.from_pretrained(source)
