@@ -70,6 +70,8 @@ _HELP = {
     "max_responses_per_key": "responses running at once per API key",
     "tokens_per_s_per_key": "output tokens per second per API key (0: unlimited)",
     "max_events_per_s": "client events per second per connection, burst twice that",
+    "max_inbound_bytes_per_s": "client bytes per second per connection, burst twice that "
+    "(at least one largest message); over it the server reads the socket more slowly",
     "idle_timeout_s": "close a connection with no frames and nothing running (code 4000)",
     "remote_url": "--engine remote: a vLLM OpenAI-compatible server or router base URL, "
     "e.g. http://10.0.0.5:8000; repeat the flag for several replicas (env: comma-separated)",

@@ -77,6 +77,9 @@ class ServerConfig:
     max_responses_per_key: int = 256
     tokens_per_s_per_key: float = 0.0  # output tokens/s per key; 0 = unlimited
     max_events_per_s: float = 50.0  # client events per second per connection (burst x2)
+    # Client bytes per second per connection (burst x2, at least one largest
+    # message); over it, reading pauses. 0 = unlimited.
+    max_inbound_bytes_per_s: float = float(1 << 20)
     idle_timeout_s: float = 600.0  # no client frame and nothing running: close (4000)
     # The process's memory allocator (allocator.py): auto takes mimalloc if
     # installed, which hands a wave's memory back; else pymalloc.

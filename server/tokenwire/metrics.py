@@ -130,6 +130,10 @@ CLIENT_SECRETS = Counter(
 PAUSES = Counter(
     "tokenwire_generation_pauses_total", "Generations paused because a client fell behind"
 )
+INBOUND_PAUSES = Counter(
+    "tokenwire_inbound_pauses_total",
+    "Times a connection's reading paused: its client sent more than --max-inbound-bytes-per-s",
+)
 TAKEOVERS = Counter(
     "tokenwire_session_takeovers_total", "Sessions continued here after their owner was gone"
 )

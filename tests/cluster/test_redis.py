@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import signal
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -63,7 +64,9 @@ def keys_of(redis_server: RedisServer, sid: str) -> list[bytes]:
 
 
 async def test_resume_on_another_instance_follows_the_owner(redis_server: RedisServer) -> None:
-    with instances(redis_server, rate=100, name="follow") as (a, b):
+    # Budgets of 20 kB/s, bursts of 40 kB: what the client sends below fits.
+    budget = ("--max-inbound-bytes-per-s", "20000", "--max-message-bytes", "20000")
+    with instances(redis_server, *budget, rate=100, name="follow") as (a, b):
         wire, sid = await start_stream(a.url, 150)
         reader = Reader(wire, 1)
         while reader.last_seq < 20:
@@ -96,6 +99,17 @@ async def test_resume_on_another_instance_follows_the_owner(redis_server: RedisS
         error = await reader.until("error")
         assert error["error"]["code"] == "response_not_active"
         assert error["error"]["event_id"] == "c3"
+        # The follower reads at the connection's byte budget, as an owner does:
+        # 60 frames charged 1 KiB each, the 60th read 1 s after the first at least.
+        started = time.monotonic()
+        for i in range(60):
+            await wire.send(
+                {"type": "conversation.item.retrieve", "item_id": "x", "event_id": f"r{i}"}
+            )
+        for i in range(60):
+            error = await reader.until("error")
+            assert (error["error"]["code"], error["error"]["event_id"]) == ("unknown_item", f"r{i}")
+        assert time.monotonic() - started >= 0.95  # (59 x 1024 - 40 kB) / 20 kB/s
         assert http_json(a.http + "/healthz")[1]["sessions"] == 1
         assert http_json(b.http + "/healthz")[1]["sessions"] == 0  # B only follows
         assert keys_of(redis_server, sid)

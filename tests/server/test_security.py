@@ -6,14 +6,17 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
+from prometheus_client import REGISTRY
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import InvalidStatus
 
 from tokenwire.client import TokenwireError, connect
 from tokenwire.config import ServerConfig
+from tokenwire.runtime.ws import inbound_budget
 from tokenwire.server.admission import KeyStore, key_id
 from tokenwire.wire.close_codes import CLOSE_IDLE
 
@@ -201,6 +204,62 @@ async def test_events_per_second() -> None:
             assert "unknown_item" in codes  # the burst went through
             await asyncio.sleep(0.5)
             assert await tw.ask("later") == "You said: later"
+
+
+async def test_a_client_over_its_byte_rate_is_read_slower_and_loses_nothing() -> None:
+    # 100 kB/s, bursts of 200 kB: a frame is read once the frames before it are
+    # paid for, so the 9th of ~50 kB comes 2 s after the first at the earliest.
+    limits = config(max_inbound_bytes_per_s=100_000, max_message_bytes=50_000)
+    pauses = REGISTRY.get_sample_value("tokenwire_inbound_pauses_total") or 0.0
+    async with _scripted_server(limits) as running:
+        async with (
+            await connect(running.url, api_key=KEY) as fast,
+            await connect(running.url, api_key=OTHER) as other,
+        ):
+            started = time.monotonic()
+            for i in range(9):
+                item = {"type": "message", "role": "user", "content": str(i) * 49_800}
+                await fast.send({"type": "conversation.item.create", "item": item})
+            # The paced connection holds no one else up.
+            assert await other.ask("meanwhile") == "You said: meanwhile"
+            created = []
+            while len(created) < 9:
+                event = await asyncio.wait_for(fast.events.get(), 30)
+                assert event["type"] != "error", event
+                if event["type"] == "conversation.item.created":
+                    created.append(event["item"]["content"][0])
+            elapsed = time.monotonic() - started
+            assert created == [str(i) for i in range(9)]  # all of them, in order
+        assert elapsed >= 1.9  # (8 x 49.8 kB - 200 kB burst) / 100 kB/s
+    assert (REGISTRY.get_sample_value("tokenwire_inbound_pauses_total") or 0.0) > pauses
+
+
+async def test_tiny_frames_are_charged_a_kib_each() -> None:
+    # 20 kB/s, bursts of 40 kB: 60 frames of ~60 bytes are charged 1 KiB each,
+    # so the 60th is read 1 s after the first at the earliest.
+    limits = config(max_inbound_bytes_per_s=20_000, max_message_bytes=20_000, max_events_per_s=0)
+    async with _scripted_server(limits) as running:
+        async with await connect(running.url, api_key=KEY) as tw:
+            started = time.monotonic()
+            for i in range(60):
+                await tw.send({"type": "conversation.item.retrieve", "item_id": f"x{i}"})
+            answered = []
+            while len(answered) < 60:
+                event = await asyncio.wait_for(tw.events.get(), 30)
+                if event["type"] == "error":
+                    assert event["error"]["code"] == "unknown_item"
+                    answered.append(event["error"]["message"])
+            elapsed = time.monotonic() - started
+    assert all(f"x{i}" in message for i, message in enumerate(answered))
+    assert elapsed >= 0.95  # (59 x 1024 - 40 kB burst) / 20 kB/s
+
+
+def test_the_inbound_budget_bursts_to_one_largest_message_at_least() -> None:
+    assert inbound_budget(0, 1 << 20) is None
+    budget = inbound_budget(1000, 1 << 20)
+    assert budget is not None and budget.burst == 1 << 20 and budget.rate == 1000
+    budget = inbound_budget(1 << 20, 1000)
+    assert budget is not None and budget.burst == 2 << 20
 
 
 async def test_idle_connection_is_closed() -> None:

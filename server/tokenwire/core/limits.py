@@ -9,6 +9,8 @@ from collections.abc import Callable
 class TokenBucket:
     """`rate` per second, up to `burst`. take() refuses; debit() may go negative."""
 
+    __slots__ = ("_at", "burst", "clock", "level", "rate")
+
     def __init__(
         self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic
     ) -> None:

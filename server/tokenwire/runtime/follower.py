@@ -21,12 +21,13 @@ import uuid
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from ..core.limits import TokenBucket
 from ..logs import get_logger
 from ..storage.redis import RedisStore
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
 from .socket import Outcome
-from .ws import close_or_abort, fell_behind_the_log
+from .ws import close_or_abort, fell_behind_the_log, pace_reading
 
 log = get_logger("tokenwire.follow")
 
@@ -50,12 +51,16 @@ class Follower:
         self._ws: ServerConnection | None = None
 
     async def serve(
-        self, ws: ServerConnection, dialect: Dialect, resume_from: int | None = None
+        self,
+        ws: ServerConnection,
+        dialect: Dialect,
+        resume_from: int | None = None,
+        budget: TokenBucket | None = None,
     ) -> Outcome:
         self._ws = ws
         sent = resume_from or 0
         await self._forward("attach", {"last_seq": sent})
-        reader = asyncio.create_task(self._forward_frames(ws))
+        reader = asyncio.create_task(self._forward_frames(ws, budget))
         self.log.info("following", last_seq=sent)
         last_ping = time.monotonic()
         try:
@@ -100,11 +105,12 @@ class Follower:
                 await self._forward("close" if clean else "detach")
             self.log.info("unfollowing", last_seq=sent, clean=clean)
 
-    async def _forward_frames(self, ws: ServerConnection) -> bool:
+    async def _forward_frames(self, ws: ServerConnection, budget: TokenBucket | None) -> bool:
         """Client frames to the owner; True once the client closed cleanly."""
         with contextlib.suppress(ConnectionClosed):
             async for frame in ws:
                 await self._forward("frame", frame)
+                await pace_reading(ws, budget, frame)  # the owner decodes it
         # Only a close the client started counts: our own 1012 is echoed back.
         rcvd = ws.protocol.close_rcvd
         return bool(

@@ -16,10 +16,11 @@ from typing import Any, Literal, Protocol
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 
+from ..core.limits import TokenBucket
 from ..core.schema import SessionResume
 from ..wire import Dialect
 from ..wire.close_codes import CLOSE_IDLE
-from .ws import unless_closed
+from .ws import pace_reading, unless_closed
 
 
 class SocketState(StrEnum):
@@ -82,6 +83,7 @@ class ClientSocket:
         "_closer",
         "_idle_timer",
         "_last_frame",
+        "budget",
         "closed_for",
         "dialect",
         "idle_timeout_s",
@@ -89,8 +91,15 @@ class ClientSocket:
         "ws",
     )
 
-    def __init__(self, ws: ServerConnection, dialect: Dialect, idle_timeout_s: float) -> None:
+    def __init__(
+        self,
+        ws: ServerConnection,
+        dialect: Dialect,
+        idle_timeout_s: float,
+        budget: TokenBucket | None = None,
+    ) -> None:
         self.ws = ws
+        self.budget = budget  # the connection's inbound bytes (ws.inbound_budget)
         self.dialect = dialect
         self.idle_timeout_s = idle_timeout_s
         self.state = SocketState.OPEN
@@ -130,6 +139,7 @@ class ClientSocket:
                     if target is not None:
                         outcome = Handoff(target, resume.last_seq)
                         break
+                await pace_reading(ws, self.budget, frame)
                 if not owner.drained.is_set():
                     # Upstream backpressure: read nothing more until the client
                     # reads what it asked for (TCP then slows the sender).

@@ -13,7 +13,9 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
+from .. import metrics
 from ..core.errors import ErrorCode, error_event
+from ..core.limits import TokenBucket
 from ..wire import Dialect, Frame
 
 
@@ -28,6 +30,34 @@ async def unless_closed(ws: ServerConnection, awaitable: Awaitable[Any]) -> None
         closed.cancel()
     if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
         raise ConnectionClosedError(None, None) from waiter.exception()
+
+
+# What a frame is charged at least: a flood of tiny frames costs the loop per
+# frame (websockets, decoding, the session's dispatch: ~20 us), not per byte.
+FRAME_MIN_CHARGE = 1024
+
+
+def inbound_budget(bytes_per_s: float, max_message_bytes: int) -> TokenBucket | None:
+    """A connection's budget of client bytes: `bytes_per_s`, in bursts of twice
+    that or of one largest message, whichever is more; None: unlimited."""
+    if bytes_per_s <= 0:
+        return None
+    return TokenBucket(bytes_per_s, max(2 * bytes_per_s, max_message_bytes))
+
+
+async def pace_reading(ws: ServerConnection, budget: TokenBucket | None, frame: Frame) -> None:
+    """Charge a client frame (characters of text, bytes of binary, at least
+    FRAME_MIN_CHARGE) to its connection's budget; over it, read nothing more
+    until the budget is paid back. Decoding and checking a frame cost the event
+    loop up to ~0.1 s per MiB, so this bounds what one connection takes of it.
+    Nothing is dropped: websockets stops reading the socket and TCP slows the
+    client."""
+    if budget is None:
+        return
+    budget.debit(max(len(frame), FRAME_MIN_CHARGE))
+    if not budget.ready():
+        metrics.INBOUND_PAUSES.inc()
+        await unless_closed(ws, asyncio.sleep(budget.retry_after_s()))
 
 
 async def wait_buffer_below(ws: ServerConnection, low: int) -> None:

@@ -18,13 +18,14 @@ from websockets.http11 import Request, Response
 
 from .. import metrics
 from ..config import ServerConfig
+from ..core.limits import TokenBucket
 from ..engines import Engine, create_engine
 from ..logs import get_logger
 from ..runtime import cluster
 from ..runtime.follower import Follower
 from ..runtime.session_runtime import GONE, RuntimeState, SessionRuntime
 from ..runtime.socket import ClientSocket, Handoff, Outcome
-from ..runtime.ws import close_or_abort
+from ..runtime.ws import close_or_abort, inbound_budget
 from ..stages import build_stages
 from ..storage.redis import RedisStore
 from ..wire import dialect_for, select_subprotocol
@@ -235,10 +236,12 @@ class TokenwireServer:
     async def _run(self, ws: ServerConnection, runtime: SessionRuntime | Follower) -> None:
         """Serve the socket's sessions (its own, then any it resumes) until it closes."""
         dialect = dialect_for(ws.subprotocol)
+        # One budget for the connection, whatever session it serves.
+        budget = inbound_budget(self.config.max_inbound_bytes_per_s, self.config.max_message_bytes)
         resume_from: int | None = None
         try:
             while True:
-                outcome = await self._serve(ws, dialect, runtime, resume_from)
+                outcome = await self._serve(ws, dialect, runtime, resume_from, budget)
                 if not isinstance(outcome, Handoff):
                     break
                 if isinstance(runtime, SessionRuntime):
@@ -275,16 +278,17 @@ class TokenwireServer:
         dialect: Any,
         runtime: SessionRuntime | Follower,
         resume_from: int | None,
+        budget: TokenBucket | None,
     ) -> Outcome:
         if isinstance(runtime, Follower):
             self.followers.add(runtime)
             try:
-                return await runtime.serve(ws, dialect, resume_from)
+                return await runtime.serve(ws, dialect, resume_from, budget)
             finally:
                 self.followers.discard(runtime)
         self.connections.add(runtime)
         try:
-            socket = ClientSocket(ws, dialect, self.config.idle_timeout_s)
+            socket = ClientSocket(ws, dialect, self.config.idle_timeout_s, budget)
             return await socket.serve(runtime, resume_from)
         finally:
             self.connections.discard(runtime)
