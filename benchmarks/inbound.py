@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._compare import code_state
 from ._server import save_results
 
 MiB = 1 << 20
@@ -151,14 +152,24 @@ def _report(runs: list[dict[str, Any]], against: str | None) -> tuple[dict[str, 
             line += f" {before / 1e3:.3f} | {paired:.3f}x |"
         lines.append(line)
     share = worst / 1e6 * rate / MiB
+    state = code_state()
+    dirty = " with uncommitted changes" if state["uncommitted_server_files"] else ""
+    vs = f", before: the tokenwire in {against}" if against else ""
     lines += [
         "",
+        f"tokenwire at commit {state['commit']}{dirty}{vs}. "
         f"Median of {len(runs)} rounds, process CPU through the dialect's parse and the "
         "session. At the default --max-inbound-bytes-per-s "
         f"({rate / MiB:g} MiB/s), one connection can make the loop spend at most "
         f"{share:.0%} of a core on its frames (the costliest shape per MiB charged).",
     ]
-    report = {"rounds": runs, "rows": rows, "against": against, "one_connection_core_share": share}
+    report = {
+        "code": state,
+        "rounds": runs,
+        "rows": rows,
+        "against": against,
+        "one_connection_core_share": share,
+    }
     return report, "\n".join(lines) + "\n"
 
 

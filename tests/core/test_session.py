@@ -494,3 +494,27 @@ def test_a_closed_session_ignores_client_events() -> None:
     s.receive_client_event({"type": "nonsense"})
     assert s.events_to_send() == [] and s.actions_to_perform() == []
     assert not s.responses and s.client_events == 0
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "session.update", "session": {f"k{i}": 1 for i in range(5000)}},
+        {"type": "response.create", "response": {"metadata": {f"k{i}": 1 for i in range(5000)}}},
+    ],
+)
+def test_an_event_with_thousands_of_problems_is_refused_without_listing_them(
+    event: dict,
+) -> None:
+    """pydantic builds every error to give the first (60,000: 0.15 s); past 100
+    the event is refused as a whole, with its count."""
+    s = Session()
+    s.events_to_send()
+    (error,) = drive(s, {**event, "event_id": "big"})
+    assert error["error"]["code"] == "invalid_field"
+    assert error["error"]["event_id"] == "big"
+    assert error["error"]["message"] == (
+        "event: 5000 fields are invalid; send a smaller, valid event"
+    )
+    few = {"type": "session.update", "session": {"a": 1, "b": 2}}
+    assert codes(drive(s, few)) == ["unknown_field"]  # a few are still named

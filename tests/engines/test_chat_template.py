@@ -8,7 +8,7 @@ import pytest
 
 from tokenwire.core.events import StartGeneration
 from tokenwire.core.session import Session
-from tokenwire.engines.base import ConversationRefused
+from tokenwire.engines.base import ContextLengthExceeded, ConversationRefused
 from tokenwire.engines.chat_template import ChatTemplate
 from tokenwire.models import prepare_default_model
 
@@ -107,3 +107,126 @@ def test_a_tokenizer_without_a_template_fails_the_request_not_the_session() -> N
     assert s.actions_to_perform() == []
     update = {"type": "session.update", "session": {"instructions": "Be brief."}}
     assert [e["type"] for e in drive(s, update)] == ["session.updated"]  # it goes on
+
+
+# A template that walks tool schemas with a recursive macro, as XML- and
+# TypeScript-style tool templates do.
+RECURSIVE = (
+    "{% macro walk(node) %}{% if node is mapping %}{% for k, v in node.items() %}"
+    "{{ k }}({{ step(v) }}){% endfor %}{% endif %}{% endmacro %}"
+    "{% macro step(node) %}{{ walk(node) }}{% endmacro %}"
+    "{% for t in tools or [] %}{{ walk(t) }}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_recurses_too_deep_fails_the_request_not_the_session() -> None:
+    """A tool schema nested 100 deep (pydantic takes it) makes a recursive macro
+    raise RecursionError: the create is refused with an error event; it escaped
+    the session, and the socket was closed with 1011."""
+    tokenizer, template = strict_template()
+    tokenizer.chat_template = RECURSIVE
+
+    def preflight(request: Any) -> tuple[int, ...]:
+        return tuple(template.prompt_ids(request, 2048))
+
+    s = Session(preflight=preflight)
+    s.events_to_send()
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(100):
+        schema = {"type": "object", "properties": {"a": schema}}
+    tool = {"type": "function", "name": "deep", "parameters": schema}
+    assert codes(drive(s, {"type": "session.update", "session": {"tools": [tool]}})) == []
+    drive(
+        s,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "Hi"},
+        },
+    )
+    events = drive(s, {"type": "response.create", "event_id": "r"})
+    assert codes(events) == ["engine_error"]
+    assert "chat template could not render" in events[0]["error"]["message"]
+    assert s.actions_to_perform() == []
+
+
+class CountingTokenizer:
+    """SmolLM2's tokenizer, counting what it is asked to encode."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.encoded: list[int] = []
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        self.encoded.append(len(text))
+        return self._tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+
+def _request(text: str) -> Any:
+    s = Session()
+    s.events_to_send()
+    drive(
+        s,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": text},
+        },
+    )
+    drive(s, {"type": "response.create"})
+    (start,) = s.actions_to_perform()
+    return start.request
+
+
+def test_no_token_of_the_model_stands_for_more_characters_than_the_bound() -> None:
+    """The bound that refuses prompts untokenized holds for every token of
+    SmolLM2's vocabulary, special ones included."""
+    tokenizer, template = strict_template()
+    assert template.max_token_chars is not None
+    longest = max(len(tokenizer.decode([i])) for i in range(len(tokenizer)))
+    assert 1 < longest <= template.max_token_chars
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized() -> None:
+    tokenizer, _ = strict_template()
+    counting = CountingTokenizer(tokenizer)
+    template = ChatTemplate(counting)
+    bound = template.max_token_chars
+    assert bound is not None
+    request = _request("word " * (100 * bound // 5 + 1))  # past 100 tokens for sure
+    with pytest.raises(ContextLengthExceeded) as info:
+        template.prompt_ids(request, 100)
+    assert "more than 100 tokens" in info.value.message
+    assert counting.encoded == []
+    # Below the bound it is tokenized, and refused with its count.
+    request = _request("word " * 200)
+    with pytest.raises(ContextLengthExceeded) as info:
+        template.prompt_ids(request, 100)
+    assert "the prompt has 2" in info.value.message and len(counting.encoded) == 1
+
+
+def test_a_prompt_asked_for_again_is_not_tokenized_again() -> None:
+    tokenizer, _ = strict_template()
+    counting = CountingTokenizer(tokenizer)
+    template = ChatTemplate(counting)
+    refused = _request("word " * 200)
+    for _ in range(3):
+        with pytest.raises(ContextLengthExceeded):
+            template.prompt_ids(refused, 100)
+    fits = _request("Hello")
+    ids = template.prompt_ids(fits, 100)
+    ids.append(-1)  # the caller's copy: the kept one does not change
+    assert template.prompt_ids(fits, 100) == ids[:-1]
+    assert ids[:-1] == tokenizer.encode(
+        "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    assert len(counting.encoded) == 2  # once each
+    # A larger context tokenizes a prompt refused under a smaller one.
+    assert len(template.prompt_ids(refused, 4096)) > 100
+    assert len(counting.encoded) == 3

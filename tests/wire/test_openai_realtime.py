@@ -276,6 +276,21 @@ def test_an_unknown_parameter_is_quoted_short(h: Harness) -> None:
     assert error["param"] == "session." + "k" * 64
 
 
+def test_a_type_that_is_not_a_string_is_named_by_its_kind(h: Harness) -> None:
+    """A MiB-long value in `type` is not echoed (its repr took 20-40 ms a MiB)."""
+    h.send({"type": [0] * 100_000, "event_id": "t1"})
+    item = {"type": {"k": "v" * 100_000}, "role": "user", "content": "x"}
+    h.send({"type": "conversation.item.create", "event_id": "t2", "item": item})
+    errors = [f["error"] for f in h.take() if f["type"] == "error"]
+    assert [(e["code"], e["param"], e["event_id"]) for e in errors] == [
+        ("invalid_value", "type", "t1"),
+        ("invalid_value", "item.type", "t2"),
+    ]
+    assert "unknown event type 'a list'" in errors[0]["message"]
+    assert "items of type a dict are not served" in errors[1]["message"]
+    assert all(len(e["message"]) < 200 for e in errors)
+
+
 def test_retrieve_gives_content_parts(h: Harness) -> None:
     h.send(
         ConversationItemCreateEvent.model_validate(

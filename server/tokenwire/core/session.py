@@ -284,7 +284,7 @@ class Session:
         )
 
     def _on_session_update(self, ev_: s.SessionUpdate) -> None:
-        update = ev_.session.model_dump(exclude_none=True)
+        update = ev_.session.given()
         tools = update.get("tools", self.config["tools"])
         choice = update.get("tool_choice", self.config["tool_choice"])
         check_tool_choice(choice, tools, ev_.event_id, "session.tool_choice")
@@ -347,7 +347,7 @@ class Session:
                 f"at most {self.limits.max_active_responses} responses may run at once",
                 event_id=event_id,
             )
-        given = rp.model_dump(exclude_none=True)
+        given = rp.given()
         params = {key: given.get(key, self.config[key]) for key in _RESPONSE_SETTINGS}
         limit = params["max_output_tokens"] or self.limits.default_max_output_tokens
         params["max_output_tokens"] = None if limit == "inf" else limit

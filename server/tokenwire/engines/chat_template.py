@@ -8,9 +8,14 @@ engine checks its rendering against the server's `/tokenize` at startup).
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any
 
 from .base import ContextLengthExceeded, ConversationRefused, GenerationRequest, RequestError
+
+# Prompts whose token ids are kept, by their text: a client that asks again
+# for the same prompt (a refused one above all) costs no second tokenization.
+MEMO_SIZE = 8
 
 
 class ChatTemplate:
@@ -18,6 +23,10 @@ class ChatTemplate:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        # Tokenizing costs ~1.3 s per MiB on the event loop; a prompt longer
+        # than the context times this cannot fit, and is refused without it.
+        self.max_token_chars = _max_token_chars(tokenizer)
+        self._memo: OrderedDict[str, list[int] | int] = OrderedDict()
 
     def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Tool turns in the shape the chat template understands."""
@@ -63,9 +72,10 @@ class ChatTemplate:
             raise ConversationRefused(
                 f"the model's chat template refused the conversation: {exc}"
             ) from None
-        except (ValueError, TypeError, KeyError) as exc:
-            # No template at all, or one that breaks on a value: this request
-            # fails, the session goes on.
+        except Exception as exc:
+            # No template at all, one that breaks on a value, or one whose
+            # recursive macro meets a deeply nested tool schema (RecursionError):
+            # this request fails, the session goes on.
             raise RequestError(
                 f"the model's chat template could not render the conversation: {exc}"
             ) from None
@@ -79,16 +89,45 @@ class ChatTemplate:
     def prompt_ids(self, request: GenerationRequest, max_len: int) -> list[int]:
         """The request's chat as token ids; ContextLengthExceeded when it leaves
         the model no room to generate."""
-        ids = self.render(request.messages, request.tools)
-        if len(ids) >= max_len:
+        text = self.text(request.messages, request.tools)
+        memo = self._memo
+        ids = memo.get(text)
+        if ids is not None:
+            memo.move_to_end(text)
+        if isinstance(ids, int) and ids < max_len:
+            ids = None  # refused under a smaller context: tokenize after all
+        if ids is None:
+            if self.max_token_chars and len(text) > max_len * self.max_token_chars:
+                raise ContextLengthExceeded(
+                    f"the prompt has more than {max_len} tokens ({len(text)} characters, "
+                    f"and no token stands for more than {self.max_token_chars}); the model's "
+                    f"context is {max_len} tokens. Shorten the conversation or its instructions.",
+                )
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            memo[text] = ids if len(ids) < max_len else len(ids)  # a count is enough
+            if len(memo) > MEMO_SIZE:
+                memo.popitem(last=False)
+        count = ids if isinstance(ids, int) else len(ids)
+        if isinstance(ids, int) or count >= max_len:
             raise ContextLengthExceeded(
-                f"the prompt has {len(ids)} tokens; the model's context is {max_len} "
+                f"the prompt has {count} tokens; the model's context is {max_len} "
                 "tokens. Shorten the conversation or its instructions.",
             )
-        return ids
+        return list(ids)  # the caller's own: the memo's copy stays as it is
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids))
+
+
+def _max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for: its spelling's
+    length (byte-level tokens spell a byte a character; a normalizer may
+    shrink text, and then there is no bound)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    spellings = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(t) for t in spellings if t), default=None)
 
 
 def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:

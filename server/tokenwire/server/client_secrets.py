@@ -131,7 +131,7 @@ def parse_settings(raw: Any, min_priority: int | None) -> dict[str, Any] | None:
         frame = json.dumps({"type": "session.update", "session": raw})
         event = parse_client_event(OpenAIRealtime().parse(frame))
         assert isinstance(event, SessionUpdate)
-        settings = event.session.model_dump(exclude_none=True)
+        settings = event.session.given()
         check_tool_choice(
             settings.get("tool_choice", "auto"),
             settings.get("tools", []),
