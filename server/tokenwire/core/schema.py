@@ -44,7 +44,7 @@ def check_values(obj: Any) -> None:
             if not INT_MIN <= value <= INT_MAX:
                 raise ValueError("an integer does not fit in 64 bits")
         elif isinstance(value, float):
-            if value != value or value in (float("inf"), float("-inf")):
+            if value - value != 0.0:  # NaN for NaN and both infinities
                 raise ValueError("NaN and infinities are not JSON")
         elif isinstance(value, dict):
             if not all(type(key) is str for key in value):
