@@ -34,16 +34,19 @@ def strict_template() -> tuple[Any, ChatTemplate]:
     return tokenizer, ChatTemplate(tokenizer)
 
 
+def preflighted_session(template: ChatTemplate) -> Session:
+    """A session whose preflight renders through `template` (a 2048 context)."""
+    s = Session(preflight=lambda request: tuple(template.prompt_ids(request, 2048)))
+    s.events_to_send()
+    return s
+
+
 def test_a_template_that_refuses_the_conversation_is_an_error_event() -> None:
     """SmolLM2's real tokenizer, with a strict template: a refused conversation
     is answered with invalid_state and the session goes on."""
     tokenizer, template = strict_template()
 
-    def preflight(request: Any) -> tuple[int, ...]:
-        return tuple(template.prompt_ids(request, 2048))
-
-    s = Session(preflight=preflight)
-    s.events_to_send()
+    s = preflighted_session(template)
     for text in ("Hello", "Are you there?"):
         item = {"type": "message", "role": "user", "content": text}
         drive(s, {"type": "conversation.item.create", "item": item})
@@ -94,11 +97,7 @@ def test_a_tokenizer_without_a_template_fails_the_request_not_the_session() -> N
     tokenizer, template = strict_template()
     tokenizer.chat_template = None
 
-    def preflight(request: Any) -> tuple[int, ...]:
-        return tuple(template.prompt_ids(request, 2048))
-
-    s = Session(preflight=preflight)
-    s.events_to_send()
+    s = preflighted_session(template)
     item = {"type": "message", "role": "user", "content": "Hello"}
     drive(s, {"type": "conversation.item.create", "item": item})
     events = drive(s, {"type": "response.create", "event_id": "r"})
@@ -128,11 +127,7 @@ def test_a_template_that_recurses_too_deep_fails_the_request_not_the_session() -
     tokenizer, template = strict_template()
     tokenizer.chat_template = RECURSIVE
 
-    def preflight(request: Any) -> tuple[int, ...]:
-        return tuple(template.prompt_ids(request, 2048))
-
-    s = Session(preflight=preflight)
-    s.events_to_send()
+    s = preflighted_session(template)
     schema: dict[str, Any] = {"type": "object"}
     for _ in range(100):
         schema = {"type": "object", "properties": {"a": schema}}
