@@ -225,3 +225,14 @@ def test_a_prompt_asked_for_again_is_not_tokenized_again() -> None:
     # A larger context tokenizes a prompt refused under a smaller one.
     assert len(template.prompt_ids(refused, 4096)) > 100
     assert len(counting.encoded) == 3
+
+
+def test_a_tokenizer_that_can_swallow_text_gets_no_bound() -> None:
+    """An added token that strips the whitespace beside it covers more text than
+    its spelling: no prompt is refused untokenized with such a tokenizer."""
+    from tokenizers import AddedToken
+
+    tokenizer, template = strict_template()
+    assert template.max_token_chars == max(map(len, tokenizer.get_vocab()))
+    tokenizer.add_tokens([AddedToken("<sep>", lstrip=True, rstrip=True)])
+    assert ChatTemplate(tokenizer).max_token_chars is None

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
 
 from tokenwire.config import ServerConfig
+from tokenwire.engines.base import GenerationRequest
 from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.runtime.session_runtime import SessionRuntime
 from tokenwire.wire import dialect_for
@@ -109,3 +111,71 @@ async def test_an_ended_session_waits_for_its_engine_aborts() -> None:
     await rt.end()
     assert engine.aborted
     assert not rt.tasks
+
+
+class TemplateEngine(ScriptedEngine):
+    """The scripted engine, preflighting through SmolLM2's chat template as the
+    vLLM and remote engines do; it records the threads that tokenized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import AutoTokenizer
+
+        from tokenwire.engines.chat_template import ChatTemplate
+        from tokenwire.models import prepare_default_model
+
+        tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+        self.threads: list[tuple[int, int]] = []  # (characters, thread)
+        encode = tokenizer.encode
+
+        def counting(text: str, **kwargs: object) -> list[int]:
+            self.threads.append((len(text), threading.get_ident()))
+            return encode(text, **kwargs)
+
+        tokenizer.encode = counting
+        self.template = ChatTemplate(tokenizer)
+
+    def preflight(self, request: GenerationRequest) -> tuple[int, ...] | None:
+        return tuple(self.template.prompt_ids(request, 8192))
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
+    """A response.create whose prompt is long has it tokenized in a thread while
+    the loop goes on; the next frame waits for it, and the session counts the
+    event once."""
+    subprotocol = "tokenwire.v1.json"
+    engine = TemplateEngine()
+    rt = SessionRuntime(engine, ServerConfig(engine="scripted", max_events_per_s=0))
+    rt.attach(open_socket(), dialect_for(subprotocol))  # type: ignore[arg-type]
+    rt.go_live()
+    loop_thread = threading.get_ident()
+    try:
+        short = {"type": "message", "role": "user", "content": "Hello"}
+        send(
+            rt, {"type": "response.create", "response": {"conversation": "none", "input": [short]}}
+        )
+        assert engine.threads[-1][1] == loop_thread  # a short prompt: on the loop
+        long = {"type": "message", "role": "user", "content": "tell me more " * 1000}
+        assert rt.receive(json.dumps({"type": "conversation.item.create", "item": long})) is None
+        later = rt.receive(json.dumps({"type": "response.create", "event_id": "long"}))
+        assert later is not None and not isinstance(later, dict)
+        assert not [e for e in sent_events(rt.ws) if e.get("event_id") == "long"]  # not yet
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await later
+        ticker.cancel()
+        created = [e for e in sent_events(rt.ws) if e["type"] == "response.created"]
+        assert created[-1]["event_id"] == "long"
+        chars, thread = engine.threads[-1]
+        assert chars > 12_000 and thread != loop_thread  # tokenized once, in a thread
+        assert ticks > 0  # the loop ran while it was
+        assert rt.session.client_events == 3
+    finally:
+        await rt.end()

@@ -244,19 +244,21 @@ class Session:
 
     # -- client input ------------------------------------------------------
 
-    def receive_client_event(self, obj: Any, *, checked: bool = False) -> None:
+    def receive_client_event(self, obj: Any, *, checked: bool = False, again: bool = False) -> None:
         """Take one client event (internal schema, as a dialect parsed it; `checked`:
         its values passed `check_values`); bad input becomes an `error` event.
-        A closed session ignores it: nothing may start once its responses are ended."""
+        A closed session ignores it: nothing may start once its responses are ended.
+        A preflight may raise TokenizeOffLoop out of it, having changed nothing
+        but the count and the rate; the caller then hands the event over `again`."""
         if self.closed:
             return
-        self.client_events += 1
+        self.client_events += not again
         try:
             try:
                 checked or s.check_values(obj)
             except ValueError as exc:
                 raise ProtocolError(ErrorCode.MALFORMED_FRAME, str(exc)) from None
-            if self._over_rate():
+            if not again and self._over_rate():
                 raise self._rate_error(s.event_id_of(obj))
             event = s.parse_client_event(obj)
             self._HANDLERS[event.type](self, event)

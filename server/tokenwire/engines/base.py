@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -115,6 +116,29 @@ class RequestError(EngineError):
 
 class ContextLengthExceeded(RequestError):
     """The prompt does not fit the model's context."""
+
+
+# True while a socket's reader hands a client event to its session: a
+# preflight may then raise TokenizeOffLoop rather than tokenize a long prompt
+# on the event loop. Elsewhere (forwarded frames, generate) it tokenizes there.
+TOKENIZE_OFF_LOOP: ContextVar[bool] = ContextVar("tokenize_off_loop", default=False)
+
+
+class TokenizeOffLoop(Exception):
+    """A prompt too long to tokenize on the event loop. The caller runs
+    `tokenize(text)` in a thread, gives the ids to `remember`, and hands the
+    event over again (without TOKENIZE_OFF_LOOP): the preflight finds them."""
+
+    def __init__(
+        self,
+        text: str,
+        tokenize: Callable[[str], list[int]],
+        remember: Callable[[str, list[int]], None],
+    ) -> None:
+        super().__init__("tokenize off the event loop")
+        self.text = text
+        self.tokenize = tokenize
+        self.remember = remember
 
 
 class ConversationRefused(RequestError):

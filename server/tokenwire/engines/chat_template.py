@@ -11,11 +11,21 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from .base import ContextLengthExceeded, ConversationRefused, GenerationRequest, RequestError
+from .base import (
+    TOKENIZE_OFF_LOOP,
+    ContextLengthExceeded,
+    ConversationRefused,
+    GenerationRequest,
+    RequestError,
+    TokenizeOffLoop,
+)
 
 # Prompts whose token ids are kept, by their text: a client that asks again
 # for the same prompt (a refused one above all) costs no second tokenization.
 MEMO_SIZE = 8
+# Longer prompts are tokenized off the event loop where the caller can
+# (TOKENIZE_OFF_LOOP): ~1.3 us a character, so about 5 ms on it at most.
+CHARS_ON_LOOP = 4096
 
 
 class ChatTemplate:
@@ -23,8 +33,8 @@ class ChatTemplate:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        # Tokenizing costs ~1.3 s per MiB on the event loop; a prompt longer
-        # than the context times this cannot fit, and is refused without it.
+        # Tokenizing costs ~1.3 s per MiB; a prompt longer than the context
+        # times this cannot fit, and is refused without it.
         self.max_token_chars = _max_token_chars(tokenizer)
         self._memo: OrderedDict[str, list[int] | int] = OrderedDict()
 
@@ -84,7 +94,7 @@ class ChatTemplate:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """Token ids of the chat, ready for generation (generation prompt added)."""
-        return list(self.tokenizer.encode(self.text(messages, tools), add_special_tokens=False))
+        return self._encode(self.text(messages, tools))
 
     def prompt_ids(self, request: GenerationRequest, max_len: int) -> list[int]:
         """The request's chat as token ids; ContextLengthExceeded when it leaves
@@ -103,10 +113,12 @@ class ChatTemplate:
                     f"and no token stands for more than {self.max_token_chars}); the model's "
                     f"context is {max_len} tokens. Shorten the conversation or its instructions.",
                 )
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-            memo[text] = ids if len(ids) < max_len else len(ids)  # a count is enough
-            if len(memo) > MEMO_SIZE:
-                memo.popitem(last=False)
+            if len(text) > CHARS_ON_LOOP and TOKENIZE_OFF_LOOP.get():
+                raise TokenizeOffLoop(
+                    text, self._encode, lambda t, found: self._remember(t, found, max_len)
+                )
+            ids = self._encode(text)
+            self._remember(text, ids, max_len)
         count = ids if isinstance(ids, int) else len(ids)
         if isinstance(ids, int) or count >= max_len:
             raise ContextLengthExceeded(
@@ -115,19 +127,39 @@ class ChatTemplate:
             )
         return list(ids)  # the caller's own: the memo's copy stays as it is
 
+    def _encode(self, text: str) -> list[int]:
+        # transformers' fast encode releases the GIL: in a thread, the loop runs on.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _remember(self, text: str, ids: list[int], max_len: int) -> None:
+        memo = self._memo
+        memo[text] = ids if len(ids) < max_len else len(ids)  # a count is enough
+        memo.move_to_end(text)
+        if len(memo) > MEMO_SIZE:
+            memo.popitem(last=False)
+
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids))
 
 
 def _max_token_chars(tokenizer: Any) -> int | None:
-    """The most characters of text one token can stand for: its spelling's
-    length (byte-level tokens spell a byte a character; a normalizer may
-    shrink text, and then there is no bound)."""
+    """The most characters of text one token can stand for, where that is
+    sure: a byte-level BPE (a token spells each of its bytes as a character)
+    with no normalizer and no added token that swallows the whitespace beside
+    it. Other tokenizers can turn long text into one token (an unknown word,
+    dropped whitespace), and get no bound."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.normalizer is not None:
+    if backend is None:
         return None
-    spellings = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return max((len(t) for t in spellings if t), default=None)
+    state = json.loads(backend.to_str())
+    pre = state.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers") or [pre]
+    byte_level = any(step.get("type") == "ByteLevel" for step in steps)
+    stripping = any(t.get("lstrip") or t.get("rstrip") for t in state.get("added_tokens", ()))
+    model = state.get("model") or {}
+    if not byte_level or stripping or state.get("normalizer") or model.get("type") != "BPE":
+        return None
+    return max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=None)
 
 
 def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def receive_forwarded(rt: SessionRuntime, op: str, data: Any, follower: str) -> 
         else:
             _resumed_remotely(rt, data["last_seq"])
     elif op == "frame" and rt.state is RuntimeState.REMOTE:
-        rt.receive(data)
+        rt.receive(data, off_loop=False)  # the inbox is read in order: nothing waits
     elif op == "detach" and rt.state is RuntimeState.REMOTE:
         rt.state = RuntimeState.DETACHED
 

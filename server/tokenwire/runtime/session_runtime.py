@@ -31,7 +31,13 @@ from ..core.lifecycle import Quota
 from ..core.schema import SessionResume, parse_client_event
 from ..core.session import Session, SessionLimits
 from ..core.stages import Source, Stage, StageContext
-from ..engines.base import Engine, EngineDelta, EngineError
+from ..engines.base import (
+    TOKENIZE_OFF_LOOP,
+    Engine,
+    EngineDelta,
+    EngineError,
+    TokenizeOffLoop,
+)
 from ..logs import get_logger
 from ..storage.eventlog import EventLog, LogState, MemoryLog, resume_problem
 from ..wire import Dialect, dialect_for
@@ -243,10 +249,15 @@ class SessionRuntime:
         self.delivery.start_writer()
         self.pump()
 
-    def receive(self, frame: str | bytes, *, first: bool = False) -> SessionResume | None:
-        """Take a client frame; returns a resume request made by the first one."""
+    def receive(
+        self, frame: str | bytes, *, first: bool = False, off_loop: bool = True
+    ) -> SessionResume | Awaitable[None] | None:
+        """Take a client frame; returns a resume request made by the first one,
+        or (`off_loop`) what to await before the next frame: a long prompt
+        being tokenized off the event loop."""
         if self.session.closed:
             return None  # ended (or closing as slow): a late frame starts nothing
+        later = None
         try:
             obj = self.delivery.dialect.parse(frame)
         except ProtocolError as err:
@@ -260,9 +271,15 @@ class SessionRuntime:
                 except ProtocolError as err:
                     self.session.receive_protocol_error(err, frame=False)
             else:
-                self.session.receive_client_event(obj, checked=True)
+                token = TOKENIZE_OFF_LOOP.set(off_loop)
+                try:
+                    self.session.receive_client_event(obj, checked=True)
+                except TokenizeOffLoop as off:
+                    later = _tokenized_then_taken(self, obj, off)
+                finally:
+                    TOKENIZE_OFF_LOOP.reset(token)
         self.pump()
-        return None
+        return later
 
     async def resolve(self, event: SessionResume) -> Any | None:
         """What serves the session this socket asks to resume; errors go out here."""
@@ -489,3 +506,13 @@ def _restore(
             session.client_events = entry.client_events
         logged_seq = entry.seq
     return session, logged_seq
+
+
+async def _tokenized_then_taken(rt: SessionRuntime, obj: Any, off: TokenizeOffLoop) -> None:
+    """A client event whose preflight asked for its prompt's tokens: they are
+    made in a thread (the loop serves everyone meanwhile), then the event is
+    taken again and finds them; if the session changed the prompt meanwhile,
+    its preflight tokenizes the new one on the loop, once."""
+    off.remember(off.text, await asyncio.to_thread(off.tokenize, off.text))
+    rt.session.receive_client_event(obj, checked=True, again=True)
+    rt.pump()

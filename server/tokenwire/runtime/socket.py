@@ -9,6 +9,7 @@ closes or its first frame resumes another session (a `Handoff`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -66,8 +67,9 @@ class SocketOwner(Protocol):
 
     def go_live(self) -> None: ...
 
-    def receive(self, frame: str | bytes, *, first: bool) -> SessionResume | None:
-        """Take a client frame; a resume request the first frame makes comes back."""
+    def receive(self, frame: str | bytes, *, first: bool) -> SessionResume | Awaitable[None] | None:
+        """Take a client frame; a resume request the first frame makes comes
+        back, or what to await before the next frame is read."""
         ...
 
     async def resolve(self, resume: SessionResume) -> Any | None:
@@ -134,12 +136,16 @@ class ClientSocket:
                 self._last_frame = loop.time()
                 resume = owner.receive(frame, first=first)
                 first = False
+                if resume is not None and not isinstance(resume, SessionResume):
+                    await resume  # its prompt tokenized off the loop; frames wait
+                    resume = None
                 if resume is not None:
                     target = await owner.resolve(resume)
                     if target is not None:
                         outcome = Handoff(target, resume.last_seq)
                         break
                 await pace_reading(ws, self.budget, frame)
+                self._last_frame = loop.time()  # a client we paused is not idle
                 if not owner.drained.is_set():
                     # Upstream backpressure: read nothing more until the client
                     # reads what it asked for (TCP then slows the sender).

@@ -138,8 +138,9 @@ _MEDIA_PARTS = frozenset({"input_audio", "output_audio", "input_image"})
 
 def refuse_event(kind: Any, event_id: str | None) -> OpenAIProtocolError:
     """The error for a client event type this dialect does not take."""
-    # A non-string type is named by its kind: its repr may be a MiB long.
-    kind = kind if isinstance(kind, str) else f"a {type(kind).__name__}"
+    if not isinstance(kind, str):  # not echoed: its repr may be a MiB long
+        why = f"type must be a string, not {type(kind).__name__}"
+        return Refused(GACode.INVALID_VALUE, why, param="type", event_id=event_id)
     if kind in AUDIO_EVENTS:
         why = f"{TEXT_ONLY}: {kind} is not supported"
     elif kind in (ev.RESPONSE_STEER, ev.SESSION_RESUME):

@@ -44,8 +44,11 @@ def _item(raw: Any, param: str, eid: str | None) -> dict[str, Any]:
     if not isinstance(kind, str) or kind not in _ITEM_KEYS:
         if kind is None:
             raise missing(f"{param}.type", eid)
-        name = repr(kind[:64]) if isinstance(kind, str) else f"a {type(kind).__name__}"
-        why = f"items of type {name} are not served; send message or function_call_output"
+        why = (
+            f"items of type {kind[:64]!r} are not served; send message or function_call_output"
+            if isinstance(kind, str)
+            else f"type must be a string, not {type(kind).__name__}"  # not echoed: maybe a MiB
+        )
         raise Refused(GACode.INVALID_VALUE, why, param=f"{param}.type", event_id=eid)
     check_keys(raw, _ITEM_KEYS[kind], f"{param}.", eid)
     out = {k: v for k, v in raw.items() if k not in ("status", "object")}
