@@ -18,10 +18,12 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    field_validator,
 )
 
 from . import events as ev
 from .errors import ErrorCode, ProtocolError
+from .tool_schema import MAX_NODES, expands_past
 
 INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry back
 
@@ -110,6 +112,16 @@ class FunctionTool(BaseModel):
     description: str | None = None
     # JsonValue refuses msgpack's bytes, which the frame's checks let through.
     parameters: dict[str, JsonValue] = Field(default_factory=lambda: {"type": "object"})
+
+    @field_validator("parameters")
+    @classmethod
+    def _checkable(cls, parameters: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        if expands_past(parameters):
+            raise ValueError(
+                f"the schema holds more than {MAX_NODES} subschemas once its $refs are "
+                "expanded: checking a call against it would hold the server too long"
+            )
+        return parameters
 
 
 class NamedToolChoice(BaseModel):
