@@ -50,13 +50,18 @@ def test_deep_nesting_is_malformed_not_a_crash(frame: str | bytes) -> None:
     assert info.value.message.endswith("nested too deeply")
 
 
-def test_msgpack_bytes_map_keys_are_malformed() -> None:
-    """strict_map_key lets bytes keys through; the protocol's keys are strings."""
+def test_msgpack_bytes_map_keys_and_values_are_malformed() -> None:
+    """strict_map_key lets bytes keys through; the protocol's keys are strings,
+    and its values JSON's."""
     frame = msgpack.packb({"type": "response.cancel", b"x": 1}, use_bin_type=True)
     with pytest.raises(ProtocolError) as info:
         decode_frame(frame)
     assert info.value.code is ErrorCode.MALFORMED_FRAME
     assert "map keys must be strings" in info.value.message
+    frame = msgpack.packb({"type": "response.steer", "input": b"hi"}, use_bin_type=True)
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(frame)
+    assert "a msgpack bin value is not JSON" in info.value.message
     # Text with bytes 0xc4-0xc6 in it (Polish, Turkish) is still fine.
     ok = {"type": "response.steer", "input": "zażółć gęślą jaźń, İstanbul"}
     assert decode_frame(msgpack.packb(ok, use_bin_type=True)) == ok

@@ -14,7 +14,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    JsonValue,
     StringConstraints,
     TypeAdapter,
     ValidationError,
@@ -31,7 +30,8 @@ INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry back
 def check_values(obj: Any) -> None:
     """Refuse what could not be sent back: lone surrogates (JSON \\u escapes allow
     them), integers beyond 64 bits, NaN and infinities, map keys that are not
-    strings (msgpack's bytes). Iterative, so deep nesting cannot blow the stack."""
+    strings, msgpack's bin values (bytes: JSON has none). Iterative, so deep
+    nesting cannot blow the stack."""
     stack = [obj]
     while stack:
         value = stack.pop()
@@ -55,6 +55,8 @@ def check_values(obj: Any) -> None:
             stack.extend(value.values())
         elif isinstance(value, list | tuple):
             stack.extend(value)
+        elif isinstance(value, bytes):
+            raise ValueError("a msgpack bin value is not JSON; send text")
 
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
@@ -110,12 +112,13 @@ class FunctionTool(BaseModel):
         str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     ]
     description: str | None = None
-    # JsonValue refuses msgpack's bytes, which the frame's checks let through.
-    parameters: dict[str, JsonValue] = Field(default_factory=lambda: {"type": "object"})
+    # Any, not JsonValue: every value passed check_values (the frame's, or the
+    # session's own), and pydantic's walk of a JSON value took ~0.5 s a MiB.
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
 
     @field_validator("parameters")
     @classmethod
-    def _checkable(cls, parameters: dict[str, JsonValue]) -> dict[str, JsonValue]:
+    def _checkable(cls, parameters: dict[str, Any]) -> dict[str, Any]:
         if expands_past(parameters):
             raise ValueError(
                 f"the schema holds more than {MAX_NODES} subschemas once its $refs are "
@@ -147,8 +150,8 @@ class _Settings(BaseModel):
     priority: Priority | None = None
 
     def given(self) -> dict[str, Any]:
-        """The fields given, as a dict. A tool's `parameters` is the validated
-        dict itself, not a copy: pydantic's dump of it took ~0.1 s a MiB."""
+        """The fields given, as a dict. A tool's `parameters` is the frame's own
+        dict, not a copy: pydantic's dump of it took ~0.1 s a MiB."""
         out = self.model_dump(exclude_none=True, exclude={"tools"})
         if self.tools is not None:
             out["tools"] = [
