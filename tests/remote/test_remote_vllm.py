@@ -171,6 +171,9 @@ async def test_a_stalled_replica_times_out_and_the_generation_moves_on(
             # busy loop the whole answer can be through before a test reacts.
             size = proxy.forwarded_down - before
             proxy.drop_downstream_after = proxy.forwarded_down + size // 3
+            # Counted from here: on a loaded machine the steady stream may
+            # itself have waited past the timeout and moved.
+            failures, moved = engine.replicas[0].failures, engine.replicas[1].requests
             parts: list[EngineDelta] = []
             t0 = time.monotonic()
             async for delta in engine.generate(story("stalled", 30, sid)):
@@ -178,7 +181,8 @@ async def test_a_stalled_replica_times_out_and_the_generation_moves_on(
             took = time.monotonic() - t0
         finally:
             await engine.close()
-    assert engine.replicas[0].failures == 1 and engine.replicas[1].requests == 1
+    assert engine.replicas[0].failures == failures + 1
+    assert engine.replicas[1].requests == moved + 1
     assert proxy.dropped > 0
     assert [t for d in parts for t in d.token_ids or ()] == [
         t for d in whole for t in d.token_ids or ()
