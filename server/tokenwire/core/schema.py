@@ -17,12 +17,10 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
-    field_validator,
 )
 
 from . import events as ev
 from .errors import ErrorCode, ProtocolError
-from .tool_schema import MAX_NODES, expands_past
 
 INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry back
 
@@ -115,16 +113,6 @@ class FunctionTool(BaseModel):
     # Any, not JsonValue: every value passed check_values (the frame's, or the
     # session's own), and pydantic's walk of a JSON value took ~0.5 s a MiB.
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-
-    @field_validator("parameters")
-    @classmethod
-    def _checkable(cls, parameters: dict[str, Any]) -> dict[str, Any]:
-        if expands_past(parameters):
-            raise ValueError(
-                f"the schema holds more than {MAX_NODES} subschemas once its $refs are "
-                "expanded: checking a call against it would hold the server too long"
-            )
-        return parameters
 
 
 class NamedToolChoice(BaseModel):

@@ -88,20 +88,46 @@ def _additional_properties(validator: Any, value: Any, instance: Any, schema: An
     return _BASE["additionalProperties"](validator, value, instance, schema)
 
 
+# Keyword checks one call's arguments may take (~12 us each), in proportion
+# to their length as an honest check is: `$ref`s that fan out (each definition
+# naming the next twice) make it exponential, in the schema's depth or,
+# through recursion, in the arguments'.
+CHECK_BUDGET = 1_000
+CHECKS_PER_CHARACTER = 2
+
+
+class _TooCostly(Exception):
+    pass
+
+
+_budget = [0]  # what the check running now has left (the loop runs one at a time)
+
+
+def _counted(keyword: Any) -> Any:
+    def check(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        _budget[0] -= 1
+        if _budget[0] < 0:
+            raise _TooCostly
+        return keyword(validator, value, instance, schema)
+
+    return check
+
+
 # Client-supplied regexes would run against model output here, and Python's
 # re has no time limit (`^(a+)+$` on 25 characters: 1.2 s), so no regex of the
 # schema is run by us (structured outputs enforce them while generating
-# forced calls). A schema's size is bounded where it is given (tool_schema).
+# forced calls).
+_KEYWORDS = {
+    **_BASE,
+    "pattern": _skip,
+    "patternProperties": _skip,
+    "additionalProperties": _additional_properties,
+    # It walks every subschema, running any patternProperties on the way.
+    "unevaluatedProperties": _skip,
+    "uniqueItems": _unique_items,
+}
 _ArgumentsValidator = jsonschema.validators.extend(
-    jsonschema.Draft202012Validator,
-    {
-        "pattern": _skip,
-        "patternProperties": _skip,
-        "additionalProperties": _additional_properties,
-        # It walks every subschema, running any patternProperties on the way.
-        "unevaluatedProperties": _skip,
-        "uniqueItems": _unique_items,
-    },
+    jsonschema.Draft202012Validator, {k: _counted(v) for k, v in _KEYWORDS.items()}
 )
 
 
@@ -114,9 +140,15 @@ def check_arguments(item: dict[str, Any], tools: dict[str, dict[str, Any]]) -> s
         arguments = json.loads(item["arguments"])
     except ValueError as exc:
         return f"the arguments are not valid JSON ({exc})"
+    budget = _budget[0] = CHECK_BUDGET + CHECKS_PER_CHARACTER * len(item["arguments"])
     try:
         error = jsonschema.exceptions.best_match(
             _ArgumentsValidator(tool["parameters"]).iter_errors(arguments)
+        )
+    except _TooCostly:
+        return (
+            f"the tool's parameters schema takes more than {budget} keyword checks "
+            "for these arguments; simplify its $refs"
         )
     except Exception as exc:  # an unresolvable $ref, a broken schema: the client's tool
         return f"the tool's parameters schema cannot be used: {type(exc).__name__}: {exc}"
