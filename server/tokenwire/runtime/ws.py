@@ -49,7 +49,7 @@ async def pace_reading(ws: ServerConnection, budget: TokenBucket | None, frame: 
     """Charge a client frame (characters of text, bytes of binary, at least
     FRAME_MIN_CHARGE) to its connection's budget; over it, read nothing more
     until the budget is paid back. Decoding and checking a frame cost the event
-    loop up to ~0.1 s per MiB, so this bounds what one connection takes of it.
+    loop up to ~0.15 s per MiB, so this bounds what one connection takes of it.
     Nothing is dropped: websockets stops reading the socket and TCP slows the
     client."""
     if budget is None:
