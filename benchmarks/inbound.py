@@ -160,7 +160,11 @@ def _report(runs: list[dict[str, Any]], against: str | None) -> tuple[dict[str, 
     share = worst / 1e6 * rate / MiB
     state = code_state()
     dirty = " with uncommitted changes" if state["uncommitted_server_files"] else ""
-    vs = f", before: the tokenwire in {against}" if against else ""
+    vs = ""
+    if against:
+        run = ["git", "-C", against, "rev-parse", "--short", "HEAD"]
+        base = subprocess.run(run, capture_output=True, text=True).stdout.strip()
+        vs = f", before: commit {base or against}"
     lines += [
         "",
         f"tokenwire at commit {state['commit']}{dirty}{vs}. "
