@@ -100,4 +100,19 @@ def test_unique_items_is_checked_on_short_arrays_only() -> None:
     short = json.dumps({"xs": [{"a": 1}, {"a": 1}]})
     assert "non-unique" in str(check_arguments({"name": "f", "arguments": short}, tools))
     long = json.dumps({"xs": [{"a": i % 5} for i in range(UNIQUE_ITEMS_CHECKED + 1)]})
+    scalars = json.dumps({"xs": [i % 300 for i in range(1000)]})  # sorted: always checked
+    assert "non-unique" in str(check_arguments({"name": "f", "arguments": scalars}, tools))
     assert check_arguments({"name": "f", "arguments": long}, tools) is None
+
+
+def test_a_huge_enum_is_charged_by_its_size() -> None:
+    """Each value is compared with every entry: 100,000 entries cost 12,500
+    checks a value, past the budget of a short argument."""
+    parameters = {
+        "type": "object",
+        "properties": {"xs": {"type": "array", "items": {"enum": list(range(100_000))}}},
+    }
+    assert "keyword checks" in str(call(parameters, {"xs": [1, 2, 3]}))
+    parameters["properties"]["xs"]["items"]["enum"] = list(range(100))
+    assert call(parameters, {"xs": [1, 2, 3]}) is None
+    assert "is not one of" in str(call(parameters, {"xs": [1, 2, 300]}))

@@ -160,6 +160,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
         later = rt.receive(json.dumps({"type": "response.create", "event_id": "long"}))
         assert later is not None and not isinstance(later, dict)
         assert not [e for e in sent_events(rt.ws) if e.get("event_id") == "long"]  # not yet
+        assert rt.session.client_events == 2  # not taken yet: a resume now must resend it
         ticks = 0
 
         async def tick() -> None:
@@ -177,5 +178,30 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
         assert chars > 12_000 and thread != loop_thread  # tokenized once, in a thread
         assert ticks > 0  # the loop ran while it was
         assert rt.session.client_events == 3
+    finally:
+        await rt.end()
+
+
+async def test_a_prompt_that_changed_meanwhile_is_tokenized_off_the_loop_again() -> None:
+    """The conversation changes while the thread tokenizes (as a steer's prompt
+    grows with each token): the next try asks for a thread again."""
+    engine = TemplateEngine()
+    rt = SessionRuntime(engine, ServerConfig(engine="scripted", max_events_per_s=0))
+    rt.attach(open_socket(), dialect_for("tokenwire.v1.json"))  # type: ignore[arg-type]
+    rt.go_live()
+    loop_thread = threading.get_ident()
+    try:
+        long = {"type": "message", "role": "user", "content": "tell me more " * 500}
+        rt.receive(json.dumps({"type": "conversation.item.create", "item": long}))
+        later = rt.receive(json.dumps({"type": "response.create", "event_id": "long"}))
+        assert later is not None and not isinstance(later, dict)
+        # Meanwhile the prompt changes under it.
+        more = {"type": "message", "role": "user", "content": "and more"}
+        rt.session.receive_client_event({"type": "conversation.item.create", "item": more})
+        await later
+        created = [e for e in sent_events(rt.ws) if e["type"] == "response.created"]
+        assert created[-1]["event_id"] == "long"
+        long_encodes = [thread for chars, thread in engine.threads if chars > 4096]
+        assert len(long_encodes) == 2 and loop_thread not in long_encodes
     finally:
         await rt.end()

@@ -62,6 +62,11 @@ def test_msgpack_bytes_map_keys_and_values_are_malformed() -> None:
     with pytest.raises(ProtocolError) as info:
         decode_frame(frame)
     assert "a msgpack bin value is not JSON" in info.value.message
+    for value in (msgpack.ExtType(5, b"x"), msgpack.Timestamp(1, 0)):
+        frame = msgpack.packb({"type": "response.steer", "input": value}, use_bin_type=True)
+        with pytest.raises(ProtocolError) as info:
+            decode_frame(frame)
+        assert "is not JSON" in info.value.message
     # Text with bytes 0xc4-0xc6 in it (Polish, Turkish) is still fine.
     ok = {"type": "response.steer", "input": "zażółć gęślą jaźń, İstanbul"}
     assert decode_frame(msgpack.packb(ok, use_bin_type=True)) == ok

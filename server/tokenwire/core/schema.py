@@ -28,8 +28,8 @@ INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry back
 def check_values(obj: Any) -> None:
     """Refuse what could not be sent back: lone surrogates (JSON \\u escapes allow
     them), integers beyond 64 bits, NaN and infinities, map keys that are not
-    strings, msgpack's bin values (bytes: JSON has none). Iterative, so deep
-    nesting cannot blow the stack."""
+    strings, and anything else that is not a JSON value (msgpack's bin and ext
+    values, its timestamps). Iterative, so deep nesting cannot blow the stack."""
     stack = [obj]
     while stack:
         value = stack.pop()
@@ -51,10 +51,12 @@ def check_values(obj: Any) -> None:
                 raise ValueError("map keys must be strings")
             stack.extend(value.keys())
             stack.extend(value.values())
-        elif isinstance(value, list | tuple):
+        elif type(value) is list or type(value) is tuple:
             stack.extend(value)
         elif isinstance(value, bytes):
             raise ValueError("a msgpack bin value is not JSON; send text")
+        elif value is not None:  # msgpack's ext types and timestamps
+            raise ValueError(f"a msgpack {type(value).__name__} is not JSON")
 
 
 _STRICT = ConfigDict(strict=True, extra="forbid")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..engines.base import EngineCapabilities, EngineDelta, EngineError
+from ..engines.base import EngineCapabilities, EngineDelta, EngineError, TokenizeOffLoop
 from . import events as ev
 from . import schema as s
 from . import snapshot
@@ -249,10 +249,11 @@ class Session:
         its values passed `check_values`); bad input becomes an `error` event.
         A closed session ignores it: nothing may start once its responses are ended.
         A preflight may raise TokenizeOffLoop out of it, having changed nothing
-        but the count and the rate; the caller then hands the event over `again`."""
+        but the rate: the event is not taken, nor counted, until the caller
+        hands it over `again` (the rate is not charged twice)."""
         if self.closed:
             return
-        self.client_events += not again
+        self.client_events += 1
         try:
             try:
                 checked or s.check_values(obj)
@@ -264,6 +265,9 @@ class Session:
             self._HANDLERS[event.type](self, event)
         except ProtocolError as err:
             self._emit(err.to_event())
+        except TokenizeOffLoop:
+            self.client_events -= 1  # a resume before it is taken must resend it
+            raise
 
     def receive_protocol_error(self, err: ProtocolError, *, frame: bool = True) -> None:
         """A frame the dialect could not parse; `frame=False` for an error

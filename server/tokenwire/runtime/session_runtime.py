@@ -511,8 +511,19 @@ def _restore(
 async def _tokenized_then_taken(rt: SessionRuntime, obj: Any, off: TokenizeOffLoop) -> None:
     """A client event whose preflight asked for its prompt's tokens: they are
     made in a thread (the loop serves everyone meanwhile), then the event is
-    taken again and finds them; if the session changed the prompt meanwhile,
-    its preflight tokenizes the new one on the loop, once."""
-    off.remember(off.text, await asyncio.to_thread(off.tokenize, off.text))
-    rt.session.receive_client_event(obj, checked=True, again=True)
+    taken again and finds them. A steer's prompt grows with each token the
+    response makes meanwhile: after a few tries its preflight tokenizes on
+    the loop. A session gone meanwhile never took the event (nor counted it)."""
+    for tries_left in (2, 1, 0):
+        off.remember(off.text, await asyncio.to_thread(off.tokenize, off.text))
+        if rt.state in GONE:
+            return
+        token = TOKENIZE_OFF_LOOP.set(tries_left > 0)
+        try:
+            rt.session.receive_client_event(obj, checked=True, again=True)
+            break
+        except TokenizeOffLoop as again:
+            off = again
+        finally:
+            TOKENIZE_OFF_LOOP.reset(token)
     rt.pump()

@@ -47,15 +47,24 @@ def decode_frame(data: str | bytes) -> Any:
                 raise ValueError("a string holds a lone UTF-16 surrogate") from None
         else:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-            # Only a float (0xca, 0xcb: NaN, infinity) or bytes (0xc4-0xc6:
-            # strict_map_key lets them be a key) can be refused; integers fit
-            # 64 bits and strings are strict UTF-8. One memchr each, inline.
+            # Only a float (0xca, 0xcb: NaN, infinity), bytes (0xc4-0xc6:
+            # strict_map_key lets them be a key) or an ext value (0xc7-0xc9,
+            # 0xd4-0xd8: ExtType, Timestamp) can be refused; integers fit 64
+            # bits and strings are strict UTF-8. One memchr each, inline.
             if (
                 b"\xca" in data
                 or b"\xcb" in data
                 or b"\xc4" in data
                 or b"\xc5" in data
                 or b"\xc6" in data
+                or b"\xc7" in data
+                or b"\xc8" in data
+                or b"\xc9" in data
+                or b"\xd4" in data
+                or b"\xd5" in data
+                or b"\xd6" in data
+                or b"\xd7" in data
+                or b"\xd8" in data
             ):
                 check_values(obj)
         return obj
