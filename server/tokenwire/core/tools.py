@@ -125,8 +125,7 @@ def _counted(name: str, keyword: Any) -> Any:
     per = _ENTRIES_PER_CHECK.get(name)
 
     def check(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
-        sized = per is not None and isinstance(value, list | dict)
-        _budget[0] -= 1 + len(value) // per if per is not None and sized else 1
+        _budget[0] -= 1 + len(value) // per if per and isinstance(value, list | dict) else 1
         if _budget[0] < 0:
             raise _TooCostly
         return keyword(validator, value, instance, schema)

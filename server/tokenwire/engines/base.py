@@ -127,13 +127,13 @@ TOKENIZE_OFF_LOOP: ContextVar[bool] = ContextVar("tokenize_off_loop", default=Fa
 class TokenizeOffLoop(Exception):
     """A prompt too long to tokenize on the event loop. The caller runs
     `tokenize(text)` in a thread, gives the ids to `remember`, and hands the
-    event over again (without TOKENIZE_OFF_LOOP): the preflight finds them."""
+    event over again: the preflight finds them."""
 
     def __init__(
         self,
         text: str,
         tokenize: Callable[[str], list[int]],
-        remember: Callable[[str, list[int]], None],
+        remember: Callable[[list[int]], None],
     ) -> None:
         super().__init__("tokenize off the event loop")
         self.text = text

@@ -115,7 +115,7 @@ class ChatTemplate:
                 )
             if len(text) > CHARS_ON_LOOP and TOKENIZE_OFF_LOOP.get():
                 raise TokenizeOffLoop(
-                    text, self._encode, lambda t, found: self._remember(t, found, max_len)
+                    text, self._encode, lambda found: self._remember(text, found, max_len)
                 )
             ids = self._encode(text)
             self._remember(text, ids, max_len)

@@ -270,14 +270,8 @@ class SessionRuntime:
                     return event
                 except ProtocolError as err:
                     self.session.receive_protocol_error(err, frame=False)
-            else:
-                token = TOKENIZE_OFF_LOOP.set(off_loop)
-                try:
-                    self.session.receive_client_event(obj, checked=True)
-                except TokenizeOffLoop as off:
-                    later = _tokenized_then_taken(self, obj, off)
-                finally:
-                    TOKENIZE_OFF_LOOP.reset(token)
+            elif off := _take(self.session, obj, off_loop=off_loop):
+                later = _tokenized_then_taken(self, obj, off)
         self.pump()
         return later
 
@@ -508,6 +502,21 @@ def _restore(
     return session, logged_seq
 
 
+def _take(
+    session: Session, obj: Any, *, off_loop: bool, again: bool = False
+) -> TokenizeOffLoop | None:
+    """Hand a client event to the session; its preflight may (`off_loop`) ask
+    for its prompt's tokens instead of making them on the loop."""
+    token = TOKENIZE_OFF_LOOP.set(off_loop)
+    try:
+        session.receive_client_event(obj, checked=True, again=again)
+    except TokenizeOffLoop as off:
+        return off
+    finally:
+        TOKENIZE_OFF_LOOP.reset(token)
+    return None
+
+
 async def _tokenized_then_taken(rt: SessionRuntime, obj: Any, off: TokenizeOffLoop) -> None:
     """A client event whose preflight asked for its prompt's tokens: they are
     made in a thread (the loop serves everyone meanwhile), then the event is
@@ -515,15 +524,11 @@ async def _tokenized_then_taken(rt: SessionRuntime, obj: Any, off: TokenizeOffLo
     response makes meanwhile: after a few tries its preflight tokenizes on
     the loop. A session gone meanwhile never took the event (nor counted it)."""
     for tries_left in (2, 1, 0):
-        off.remember(off.text, await asyncio.to_thread(off.tokenize, off.text))
+        off.remember(await asyncio.to_thread(off.tokenize, off.text))
         if rt.state in GONE:
             return
-        token = TOKENIZE_OFF_LOOP.set(tries_left > 0)
-        try:
-            rt.session.receive_client_event(obj, checked=True, again=True)
+        asked = _take(rt.session, obj, off_loop=tries_left > 0, again=True)
+        if asked is None:
             break
-        except TokenizeOffLoop as again:
-            off = again
-        finally:
-            TOKENIZE_OFF_LOOP.reset(token)
+        off = asked
     rt.pump()
