@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from itertools import accumulate
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -202,6 +204,31 @@ async def test_preflight_rendering_is_what_generate_uses(engine: Engine) -> None
     )
     assert text_of(carried) == text_of(plain)  # temperature 0: the same prompt, the same answer
     assert carried[0].prompt_tokens == plain[0].prompt_tokens
+
+
+async def test_a_long_prompt_left_to_generate_is_tokenized_off_the_loop(engine: Engine) -> None:
+    """A generation no client event preflighted (a tool round's continuation,
+    a takeover) has generate render its prompt: a long one in a worker thread."""
+    template = getattr(engine, "_template", None)
+    if template is None:
+        assert engine.name == "scripted"  # it renders no prompt at all
+        return
+    tokenizer, loop_thread = template.tokenizer, threading.get_ident()
+    encode, threads = tokenizer.encode, []
+
+    def recording(text: str, **kwargs: Any) -> list[int]:
+        threads.append((len(text), threading.get_ident()))
+        return encode(text, **kwargs)
+
+    tokenizer.encode = recording
+    long = request("tell me more " * 400, max_output_tokens=4, ignore_eos=True)
+    try:
+        deltas = await collect(engine, long)
+    finally:
+        tokenizer.encode = encode
+    assert [(chars > 4096, thread != loop_thread) for chars, thread in threads] == [(True, True)]
+    assert sum(d.output_tokens for d in deltas) == 4
+    assert deltas[0].prompt_tokens == len(template.prompt_ids(long, 2048))
 
 
 async def test_resume_from_token_ids_continues_exactly(engine: Engine) -> None:

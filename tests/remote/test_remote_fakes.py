@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -173,12 +174,13 @@ def failures(url: str) -> float:
 
 def ask(**kw: Any) -> GenerationRequest:
     fields: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Hi"}],
         "request_id": "r1",
         "temperature": 0.0,
         "max_output_tokens": 10,
         **kw,
     }
-    return GenerationRequest(messages=[{"role": "user", "content": "Hi"}], **fields)
+    return GenerationRequest(**fields)
 
 
 async def run(engine: RemoteEngine, req: GenerationRequest) -> list[EngineDelta]:
@@ -627,3 +629,43 @@ async def test_a_chunk_larger_than_the_read_buffer_arrives_whole() -> None:
     engine = await started(a)
     deltas = await run(engine, ask())
     assert "".join(d.text for d in deltas) == text
+
+
+async def test_a_long_prompt_no_client_event_rendered_is_tokenized_off_the_loop() -> None:
+    """A generation started without a client event (a tool round's
+    continuation, a takeover) arrives unrendered: a long prompt is tokenized
+    in a worker thread while the loop serves others, and sent whole."""
+    a = Fake(lambda b: Reply(200, content=sse(token("ok", 5, "stop"))))
+    engine = await started(a)
+    assert engine._template is not None
+    tokenizer = engine._template.tokenizer
+    encode, threads = tokenizer.encode, []
+
+    def recording(text: str, **kwargs: Any) -> list[int]:
+        threads.append((len(text), threading.get_ident()))
+        return encode(text, **kwargs)
+
+    tokenizer.encode = recording
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    long = [{"role": "user", "content": "tell me more " * 400}]
+    try:
+        deltas = [d async for d in engine.generate(ask(messages=long))]
+        short = [d async for d in engine.generate(ask(request_id="r2"))]
+    finally:
+        ticker.cancel()
+        tokenizer.encode = encode
+        await engine.close()
+    assert "".join(d.text for d in deltas) == "ok" and short[-1].finish_reason == "stop"
+    (chars, thread), (_, short_thread) = threads
+    assert chars > 4096 and thread != threading.get_ident()  # the long one: in a thread
+    assert short_thread == threading.get_ident()  # a short one costs less than the hop
+    assert ticks > 0
+    assert a.bodies[0]["token_ids"] == TEMPLATE.render(long)

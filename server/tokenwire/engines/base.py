@@ -120,7 +120,8 @@ class ContextLengthExceeded(RequestError):
 
 # True while a socket's reader hands a client event to its session: a
 # preflight may then raise TokenizeOffLoop rather than tokenize a long prompt
-# on the event loop. Elsewhere (forwarded frames, generate) it tokenizes there.
+# on the event loop. Forwarded frames tokenize there; `generate` goes to a
+# thread by itself (ChatTemplate.prompt_ids_async).
 TOKENIZE_OFF_LOOP: ContextVar[bool] = ContextVar("tokenize_off_loop", default=False)
 
 

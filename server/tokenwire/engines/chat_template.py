@@ -7,6 +7,7 @@ engine checks its rendering against the server's `/tokenize` at startup).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
 from typing import Any
@@ -99,7 +100,23 @@ class ChatTemplate:
     def prompt_ids(self, request: GenerationRequest, max_len: int) -> list[int]:
         """The request's chat as token ids; ContextLengthExceeded when it leaves
         the model no room to generate."""
-        text = self.text(request.messages, request.tools)
+        return self._ids_of(self.text(request.messages, request.tools), max_len)
+
+    async def prompt_ids_async(self, request: GenerationRequest, max_len: int) -> list[int]:
+        """`prompt_ids` for a generation no client event started (a tool
+        round's continuation, a takeover): a long prompt is tokenized in a
+        thread, so the loop serves every other session meanwhile."""
+        token = TOKENIZE_OFF_LOOP.set(True)
+        try:
+            return self.prompt_ids(request, max_len)
+        except TokenizeOffLoop as off:
+            asked = off
+        finally:
+            TOKENIZE_OFF_LOOP.reset(token)
+        asked.remember(await asyncio.to_thread(asked.tokenize, asked.text))
+        return self._ids_of(asked.text, max_len)  # in the memo now
+
+    def _ids_of(self, text: str, max_len: int) -> list[int]:
         memo = self._memo
         ids = memo.get(text)
         if ids is not None:

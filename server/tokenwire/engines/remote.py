@@ -178,16 +178,16 @@ class RemoteEngine:
     def preflight(self, request: GenerationRequest) -> tuple[int, ...] | None:
         if self._template is None:
             return None  # not started yet; generate() checks once it is
-        return tuple(self._checked_ids(request))
-
-    def _checked_ids(self, request: GenerationRequest) -> list[int]:
-        assert self._template is not None
-        return self._template.prompt_ids(request, self._max_len)
+        return tuple(self._template.prompt_ids(request, self._max_len))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
         await self._startup.wait()
         assert self._template is not None
-        ids = list(request.rendered) if request.rendered else self._checked_ids(request)
+        ids = (
+            list(request.rendered)
+            if request.rendered
+            else await self._template.prompt_ids_async(request, self._max_len)
+        )
         prompt = [*ids, *request.resume_token_ids]
         room = self._max_len - len(prompt)
         wanted = request.max_output_tokens

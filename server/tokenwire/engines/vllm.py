@@ -160,11 +160,7 @@ class VllmEngine:
     def preflight(self, request: GenerationRequest) -> tuple[int, ...] | None:
         if self._template is None:
             return None  # not loaded yet; generate() checks once it is
-        return tuple(self._checked_ids(request))
-
-    def _checked_ids(self, request: GenerationRequest) -> list[int]:
-        assert self._template is not None
-        return self._template.prompt_ids(request, self._max_len or 0)
+        return tuple(self._template.prompt_ids(request, self._max_len or 0))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
         await self._startup.wait()
@@ -173,7 +169,11 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        ids = list(request.rendered) if request.rendered else self._checked_ids(request)
+        if request.rendered:
+            ids = list(request.rendered)
+        else:
+            assert self._template is not None
+            ids = await self._template.prompt_ids_async(request, self._max_len or 0)
         if request.resume_token_ids:
             ids = [*ids, *request.resume_token_ids]
         room = (self._max_len or 0) - len(ids)
