@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tokenwire.config import ServerConfig
-from tokenwire.engines.base import GenerationRequest
 from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.runtime.session_runtime import SessionRuntime
 from tokenwire.wire import dialect_for
 
 from ..helpers.socket import open_socket, sent_events, types_sent
+from ..helpers.template_engine import TemplateEngine
 from ..helpers.tools import TIME
 from ..helpers.wait import until
 
@@ -111,32 +111,6 @@ async def test_an_ended_session_waits_for_its_engine_aborts() -> None:
     await rt.end()
     assert engine.aborted
     assert not rt.tasks
-
-
-class TemplateEngine(ScriptedEngine):
-    """The scripted engine, preflighting through SmolLM2's chat template as the
-    vLLM and remote engines do; it records the threads that tokenized."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import AutoTokenizer
-
-        from tokenwire.engines.chat_template import ChatTemplate
-        from tokenwire.models import prepare_default_model
-
-        tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
-        self.threads: list[tuple[int, int]] = []  # (characters, thread)
-        encode = tokenizer.encode
-
-        def counting(text: str, **kwargs: object) -> list[int]:
-            self.threads.append((len(text), threading.get_ident()))
-            return encode(text, **kwargs)
-
-        tokenizer.encode = counting
-        self.template = ChatTemplate(tokenizer)
-
-    def preflight(self, request: GenerationRequest) -> tuple[int, ...] | None:
-        return tuple(self.template.prompt_ids(request, 8192))
 
 
 async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:

@@ -118,10 +118,10 @@ class ContextLengthExceeded(RequestError):
     """The prompt does not fit the model's context."""
 
 
-# True while a socket's reader hands a client event to its session: a
-# preflight may then raise TokenizeOffLoop rather than tokenize a long prompt
-# on the event loop. Forwarded frames tokenize there; `generate` goes to a
-# thread by itself (ChatTemplate.prompt_ids_async).
+# True while a client event (from a socket, or forwarded by a follower) is
+# handed to its session: a preflight may then raise TokenizeOffLoop rather
+# than tokenize a long prompt on the event loop. `generate` goes to a thread
+# by itself (ChatTemplate.prompt_ids_async).
 TOKENIZE_OFF_LOOP: ContextVar[bool] = ContextVar("tokenize_off_loop", default=False)
 
 

@@ -5,13 +5,17 @@ continuation of a session taken over from a dead owner."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Awaitable
 from typing import Any
 
+from ..core.schema import SessionResume
 from ..logs import get_logger
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
 from .session_runtime import GONE, RuntimeState, SessionRuntime
 
 log = get_logger("tokenwire.cluster")
+_FORWARDING: set[asyncio.Task[None]] = set()  # held until done
 
 
 def receive_forwarded(rt: SessionRuntime, op: str, data: Any, follower: str) -> None:
@@ -22,19 +26,58 @@ def receive_forwarded(rt: SessionRuntime, op: str, data: Any, follower: str) -> 
         rt.state = RuntimeState.REMOTE
         if ws is not None and ws.transport is not None:
             ws.transport.abort()  # the client has moved on from that socket
-            # Frames that socket already received are still taken; count
+        if rt.detached.is_set():
+            _resumed_remotely(rt, data["last_seq"])
+        else:
+            # Frames the last socket or follower sent are still taken; count
             # them in session.resumed's client_events, so none is resent.
             if rt.resuming is not None:
                 rt.resuming.cancel()
             rt.resuming = asyncio.get_running_loop().create_task(
                 _resumed_after_detach(rt, data["last_seq"])
             )
-        else:
-            _resumed_remotely(rt, data["last_seq"])
     elif op == "frame" and rt.state is RuntimeState.REMOTE:
-        rt.receive(data, off_loop=False)  # the inbox is read in order: nothing waits
+        _take_forwarded(rt, data)
     elif op == "detach" and rt.state is RuntimeState.REMOTE:
         rt.state = RuntimeState.DETACHED
+
+
+def _take_forwarded(rt: SessionRuntime, frame: Any) -> None:
+    """A forwarded frame, in order. One whose prompt is tokenized in a thread
+    holds the session's later frames (and any resume) until it is taken; the
+    inbox goes on serving every other session meanwhile."""
+    if rt.forwarded is not None:
+        rt.forwarded.append(frame)
+        return
+    later = rt.receive(frame)
+    if later is not None:
+        assert not isinstance(later, SessionResume)  # only a socket's first frame is one
+        rt.forwarded = deque()
+        rt.detached.clear()
+        task = asyncio.get_running_loop().create_task(_forwarded_after(rt, later))
+        _FORWARDING.add(task)
+        task.add_done_callback(_FORWARDING.discard)
+
+
+async def _forwarded_after(rt: SessionRuntime, later: Awaitable[None]) -> None:
+    try:
+        while True:
+            await later
+            frames = rt.forwarded
+            while frames and rt.state not in GONE:
+                waiting = rt.receive(frames.popleft())
+                if waiting is not None:
+                    assert not isinstance(waiting, SessionResume)
+                    later = waiting
+                    break
+            else:
+                return
+    except Exception:
+        rt.log.exception("forwarded_frame_failed")  # as the inbox does with its own
+    finally:
+        rt.forwarded = None
+        if rt.state is not RuntimeState.ATTACHED:
+            rt.detached.set()
 
 
 async def _resumed_after_detach(rt: SessionRuntime, last_seq: int) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import time
 from array import array
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import Any, Protocol
@@ -109,6 +110,7 @@ class SessionRuntime:
         "engine",
         "expiry",
         "follower",
+        "forwarded",
         "log",
         "on_moved",
         "resuming",
@@ -187,8 +189,11 @@ class SessionRuntime:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}  # tool timeouts, by response id
         self.state = RuntimeState.NEW if restored is None else RuntimeState.DETACHED
-        self.detached = Flag()  # set while no socket is attached
+        # Set while no socket is attached and no frame it sent is still to take.
+        self.detached = Flag()
         self.detached.set()
+        # Forwarded frames waiting behind one whose prompt is tokenized (cluster).
+        self.forwarded: deque[Any] | None = None
         self.expiry: asyncio.TimerHandle | None = None  # end of the resume grace period
         # The follower serving this session's client from another instance.
         self.follower: str | None = None
