@@ -179,3 +179,20 @@ async def test_a_prompt_that_changed_meanwhile_is_tokenized_off_the_loop_again()
         assert len(long_encodes) == 2 and loop_thread not in long_encodes
     finally:
         await rt.end()
+
+
+async def test_only_events_that_change_the_session_snapshot_it(runtime: SessionRuntime) -> None:
+    """A durable log rewrites the snapshot (the whole conversation) after an
+    event that changed it; a retrieve, an error or a delta changes nothing."""
+    item = {"type": "message", "role": "user", "content": "hello " * 1000}
+    send(runtime, {"type": "conversation.item.create", "item": item})
+    item_id = runtime.session.items[-1]["id"]
+    send(runtime, {"type": "conversation.item.retrieve", "item_id": item_id})
+    send(runtime, {"type": "conversation.item.retrieve", "item_id": "nope"})
+    sent = sent_events(runtime.ws)
+    by_type = {e["type"]: e for e in sent}
+    retrieved, error = by_type["conversation.item.retrieved"], by_type["error"]
+    assert runtime.log_state([retrieved]).snapshot is None
+    assert runtime.log_state([error]).snapshot is None
+    state = runtime.log_state([by_type["conversation.item.created"]])
+    assert state.snapshot is not None and state.client_events == 3

@@ -50,8 +50,14 @@ from .telemetry import GAP_BATCH, Telemetry, observe_gaps
 log = get_logger("tokenwire.runtime")
 
 _DELTA = ev.RESPONSE_OUTPUT_TEXT_DELTA
-# Events that change no state a takeover needs: no snapshot for them.
-_NO_SNAPSHOT = ev.DELTAS | {ev.ERROR, ev.SESSION_RESUMED, ev.SESSION_GOING_AWAY}
+# Events that change no state a takeover needs: no snapshot for them (one is
+# the whole conversation: a retrieve must not cost its rewrite).
+_NO_SNAPSHOT = ev.DELTAS | {
+    ev.ERROR,
+    ev.SESSION_RESUMED,
+    ev.SESSION_GOING_AWAY,
+    ev.CONVERSATION_ITEM_RETRIEVED,
+}
 
 
 class RuntimeState(StrEnum):
