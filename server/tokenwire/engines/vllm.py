@@ -164,16 +164,19 @@ class VllmEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
         await self._startup.wait()
-        if self._llm is None:  # closed meanwhile
+        template = self._template
+        if template is None:  # never started
+            raise EngineUnavailable("the engine is shut down")
+        ids = (
+            list(request.rendered)
+            if request.rendered
+            else await template.prompt_ids_async(request, self._max_len or 0)
+        )
+        if self._llm is None:  # closed meanwhile (the tokenization awaits)
             raise EngineUnavailable("the engine is shut down")
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if request.rendered:
-            ids = list(request.rendered)
-        else:
-            assert self._template is not None
-            ids = await self._template.prompt_ids_async(request, self._max_len or 0)
         if request.resume_token_ids:
             ids = [*ids, *request.resume_token_ids]
         room = (self._max_len or 0) - len(ids)

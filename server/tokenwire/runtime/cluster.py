@@ -59,31 +59,35 @@ def _take_forwarded(rt: SessionRuntime, frame: Any) -> None:
         task.add_done_callback(_FORWARDING.discard)
 
 
-async def _forwarded_after(rt: SessionRuntime, later: Awaitable[None]) -> None:
+async def _forwarded_after(rt: SessionRuntime, later: Awaitable[None] | None) -> None:
     try:
-        while True:
-            await later
-            frames = rt.forwarded
-            while frames and rt.state not in GONE:
-                waiting = rt.receive(frames.popleft())
-                if waiting is not None:
-                    assert not isinstance(waiting, SessionResume)
-                    later = waiting
-                    break
-            else:
-                return
-    except Exception:
-        rt.log.exception("forwarded_frame_failed")  # as the inbox does with its own
+        while later is not None:
+            try:
+                await later
+            except Exception:
+                # Only this frame is lost, as the inbox drops only an entry
+                # that fails; the session's next frames are still taken.
+                rt.log.exception("forwarded_frame_failed")
+            later, frames = None, rt.forwarded
+            while later is None and frames and rt.state not in GONE:
+                try:
+                    later = rt.receive(frames.popleft())
+                except Exception:
+                    rt.log.exception("forwarded_frame_failed")
+            assert not isinstance(later, SessionResume)
     finally:
         rt.forwarded = None
-        if rt.state is not RuntimeState.ATTACHED:
+        if rt.delivery.ws is None:  # else that socket's detach sets it
             rt.detached.set()
 
 
 async def _resumed_after_detach(rt: SessionRuntime, last_seq: int) -> None:
-    await rt.detached.wait()
-    if rt.state is RuntimeState.REMOTE:
-        _resumed_remotely(rt, last_seq)
+    while rt.state is RuntimeState.REMOTE:
+        await rt.detached.wait()
+        if rt.detached.is_set() and rt.state is RuntimeState.REMOTE:
+            _resumed_remotely(rt, last_seq)
+            return
+        # Else cleared again by a frame queued meanwhile: counted once taken.
 
 
 def _resumed_remotely(rt: SessionRuntime, last_seq: int) -> None:

@@ -303,7 +303,8 @@ class SessionRuntime:
         await self.delivery.detach()
         if self.state is RuntimeState.ATTACHED:
             self.state = RuntimeState.DETACHED
-        self.detached.set()
+        if self.forwarded is None:  # else the last forwarded frame's taking sets it
+            self.detached.set()
         self.log.info("socket_closed", outcome=outcome if isinstance(outcome, str) else "resume")
 
     # -- resume ------------------------------------------------------------------

@@ -446,15 +446,19 @@ async def _take(ws: ServerConnection, runtime: SessionRuntime) -> bool:
     socket closed) if it ended meanwhile or another resume took it first."""
     if runtime.state is RuntimeState.ATTACHED and runtime.ws is not None:
         runtime.ws.transport.abort()  # its old socket is dead but did not know
-    await runtime.detached.wait()
-    if runtime.state in GONE:
-        await ws.close(1011, "the session ended while resuming")
-        return False
-    if runtime.state is RuntimeState.ATTACHED:
-        # Two resumes waited for the same old socket: one socket per session.
-        await ws.close(1011, "the session was resumed on another connection")
-        return False
-    return True
+    while True:
+        await runtime.detached.wait()
+        if runtime.state in GONE:
+            await ws.close(1011, "the session ended while resuming")
+            return False
+        if runtime.state is RuntimeState.ATTACHED:
+            # Two resumes waited for the same old socket: one socket per session.
+            await ws.close(1011, "the session was resumed on another connection")
+            return False
+        if runtime.detached.is_set():
+            return True
+        # A follower's frame queued between the set and now (its prompt is
+        # tokenized off the loop): this resume must count it too.
 
 
 async def _failed(ws: ServerConnection, exc: Exception) -> None:
