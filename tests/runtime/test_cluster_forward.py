@@ -104,7 +104,37 @@ async def test_a_resume_waits_for_the_old_socket_and_the_forwarded_frames() -> N
         await rt.end()
 
 
-async def test_a_forwarded_frame_that_fails_loses_only_itself() -> None:
+async def test_the_old_socket_detaching_first_still_waits_for_the_forwarded_frames() -> None:
+    engine = TemplateEngine()
+    rt = remote_runtime(engine)
+    gate, encode = threading.Event(), engine.template.tokenizer.encode
+
+    def held(text: str, **kwargs: Any) -> list[int]:
+        if len(text) > 4096:
+            gate.wait(5)
+        return encode(text, **kwargs)
+
+    engine.template.tokenizer.encode = held
+    try:
+        receive_forwarded(rt, "attach", {"last_seq": 1}, "f1")
+        forward_long_then_more(rt)
+        assert rt.forwarded is not None
+        await rt.detach("resume")  # the old socket is done first
+        assert not rt.detached.is_set() and resumed_counts(rt) == []
+        gate.set()
+        await until(lambda: rt.forwarded is None, "the forwarded frames taken", every=0.01)
+        await until(lambda: rt.resuming is not None and rt.resuming.done(), "resumed", every=0.01)
+        assert resumed_counts(rt) == [(1, 3)]
+    finally:
+        gate.set()
+        engine.template.tokenizer.encode = encode
+        await rt.end()
+
+
+async def test_a_forwarded_frame_whose_tokenizer_fails_is_taken_as_a_short_one() -> None:
+    """The thread's tokenization fails: the event is taken on the loop, where
+    it fails as one with a short prompt would (counted, so never resent), and
+    the session's next frames are still taken."""
     engine = TemplateEngine()
     rt = remote_runtime(engine)
     await rt.detach("lost")
@@ -118,9 +148,8 @@ async def test_a_forwarded_frame_that_fails_loses_only_itself() -> None:
     try:
         forward_long_then_more(rt)
         await until(lambda: rt.forwarded is None, "the forwarded frames taken", every=0.01)
-        # The response.create is lost (never taken); the frame after it is not.
         replies = [e.get("event_id") for e in queued(rt) if e.get("event_id") in ("long", "after")]
-        assert replies == ["after"] and rt.session.client_events == 2
+        assert replies == ["after"] and rt.session.client_events == 3
         assert rt.detached.is_set()
     finally:
         engine.template.tokenizer.encode = encode
@@ -143,5 +172,24 @@ async def test_a_resume_waits_again_if_a_forwarded_frame_queued_before_it_ran() 
         assert not waiter.done()
         rt.detached.set()
         assert await asyncio.wait_for(waiter, 1) is True
+    finally:
+        await rt.end()
+
+
+async def test_a_follower_resume_waits_again_if_a_frame_queued_before_it_ran() -> None:
+    rt = remote_runtime(TemplateEngine())
+    await rt.detach("lost")
+    receive_forwarded(rt, "attach", {"last_seq": 1}, "f1")
+    rt.detached.clear()  # a forwarded frame's prompt is being tokenized
+    try:
+        receive_forwarded(rt, "attach", {"last_seq": 1}, "f2")
+        await asyncio.sleep(0)
+        rt.detached.set()  # taken...
+        rt.detached.clear()  # ...and the next one queued, before the resume ran
+        await asyncio.sleep(0.02)
+        assert resumed_counts(rt) == [(1, 0)]  # f1's only
+        rt.detached.set()
+        await until(lambda: rt.resuming is not None and rt.resuming.done(), "resumed", every=0.01)
+        assert resumed_counts(rt) == [(1, 0), (1, 0)]
     finally:
         await rt.end()

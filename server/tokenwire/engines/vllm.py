@@ -165,14 +165,14 @@ class VllmEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineDelta]:
         await self._startup.wait()
         template = self._template
-        if template is None:  # never started
+        if self._llm is None or template is None:  # closed meanwhile
             raise EngineUnavailable("the engine is shut down")
         ids = (
             list(request.rendered)
             if request.rendered
             else await template.prompt_ids_async(request, self._max_len or 0)
         )
-        if self._llm is None:  # closed meanwhile (the tokenization awaits)
+        if self._llm is None:  # closed while the prompt was tokenized
             raise EngineUnavailable("the engine is shut down")
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError

@@ -534,9 +534,14 @@ async def _tokenized_then_taken(rt: SessionRuntime, obj: Any, off: TokenizeOffLo
     made in a thread (the loop serves everyone meanwhile), then the event is
     taken again and finds them. A steer's prompt grows with each token the
     response makes meanwhile: after a few tries its preflight tokenizes on
-    the loop. A session gone meanwhile never took the event (nor counted it)."""
+    the loop. A session gone meanwhile never took the event (nor counted it).
+    A tokenizer that fails in the thread is tried on the loop: the event is
+    then taken, or fails, as one with a short prompt would."""
     for tries_left in (2, 1, 0):
-        off.remember(await asyncio.to_thread(off.tokenize, off.text))
+        try:
+            off.remember(await asyncio.to_thread(off.tokenize, off.text))
+        except Exception:
+            tries_left = 0
         if rt.state in GONE:
             return
         asked = _take(rt.session, obj, off_loop=tries_left > 0, again=True)
