@@ -37,6 +37,32 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# Starts refused once vLLM's parser has read the flags: each takes ~15 s to
+# import vLLM, so they run side by side, once for the module.
+REFUSED = {
+    "unknown": ("--engine", "vllm", "--", "--tensor-parallel-sise", "2"),
+    "invalid": ("--engine", "vllm", "--", "--max-num-seqs", "many"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused() -> dict[str, subprocess.CompletedProcess[str]]:
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "tokenwire", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in REFUSED.items()
+    }
+    runs = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        runs[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return runs
+
+
 def test_any_engine_flag_passes_through(model: str) -> None:
     got = settings(
         ["--max-num-seqs", "3", "--scheduling-policy", "priority", "-dp", "2", "--seed", "7"]
@@ -93,16 +119,20 @@ def test_unset_dtype_is_float32_on_this_cpu() -> None:
     assert settings(["--dtype", "auto"]).args.dtype == "auto"
 
 
-def test_unknown_flag_exits_2_and_names_it() -> None:
-    run = serve("--engine", "vllm", "--", "--tensor-parallel-sise", "2")
+def test_unknown_flag_exits_2_and_names_it(
+    refused: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    run = refused["unknown"]
     assert run.returncode == 2
     assert "--tensor-parallel-sise" in run.stderr
     assert "Traceback" not in run.stderr
     assert len(run.stderr.splitlines()) < 10  # a message, not vLLM's whole usage
 
 
-def test_invalid_value_exits_2_and_names_the_flag() -> None:
-    run = serve("--engine", "vllm", "--", "--max-num-seqs", "many")
+def test_invalid_value_exits_2_and_names_the_flag(
+    refused: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    run = refused["invalid"]
     assert run.returncode == 2
     assert "--max-num-seqs" in run.stderr and "many" in run.stderr
     assert "Traceback" not in run.stderr
