@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +123,7 @@ class ContextLengthExceeded(RequestError):
 # than tokenize a long prompt on the event loop. `generate` goes to a thread
 # by itself (ChatTemplate.prompt_ids_async).
 TOKENIZE_OFF_LOOP: ContextVar[bool] = ContextVar("tokenize_off_loop", default=False)
+_T = TypeVar("_T")
 
 
 class TokenizeOffLoop(Exception):
@@ -140,6 +141,18 @@ class TokenizeOffLoop(Exception):
         self.text = text
         self.tokenize = tokenize
         self.remember = remember
+
+
+def asking_off_loop(call: Callable[[], _T], off_loop: bool = True) -> _T | TokenizeOffLoop:
+    """`call()` with TOKENIZE_OFF_LOOP set to `off_loop`: what it returns, or
+    the TokenizeOffLoop its preflight raised instead of tokenizing on the loop."""
+    token = TOKENIZE_OFF_LOOP.set(off_loop)
+    try:
+        return call()
+    except TokenizeOffLoop as off:
+        return off
+    finally:
+        TOKENIZE_OFF_LOOP.reset(token)
 
 
 class ConversationRefused(RequestError):

@@ -19,6 +19,7 @@ from .base import (
     GenerationRequest,
     RequestError,
     TokenizeOffLoop,
+    asking_off_loop,
 )
 
 # Prompts whose token ids are kept, by their text: a client that asks again
@@ -106,15 +107,11 @@ class ChatTemplate:
         """`prompt_ids` for a generation no client event started (a tool
         round's continuation, a takeover): a long prompt is tokenized in a
         thread, so the loop serves every other session meanwhile."""
-        token = TOKENIZE_OFF_LOOP.set(True)
-        try:
-            return self.prompt_ids(request, max_len)
-        except TokenizeOffLoop as off:
-            asked = off
-        finally:
-            TOKENIZE_OFF_LOOP.reset(token)
-        asked.remember(await asyncio.to_thread(asked.tokenize, asked.text))
-        return self._ids_of(asked.text, max_len)  # in the memo now
+        got = asking_off_loop(lambda: self.prompt_ids(request, max_len))
+        if not isinstance(got, TokenizeOffLoop):
+            return got
+        got.remember(await asyncio.to_thread(got.tokenize, got.text))
+        return self._ids_of(got.text, max_len)  # in the memo now
 
     def _ids_of(self, text: str, max_len: int) -> list[int]:
         memo = self._memo

@@ -12,7 +12,7 @@ from typing import Any
 from ..core.schema import SessionResume
 from ..logs import get_logger
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
-from .session_runtime import GONE, RuntimeState, SessionRuntime
+from .session_runtime import GONE, RuntimeState, SessionRuntime, until_detached
 
 log = get_logger("tokenwire.cluster")
 _FORWARDING: set[asyncio.Task[None]] = set()  # held until done
@@ -65,8 +65,8 @@ async def _forwarded_after(rt: SessionRuntime, later: Awaitable[None] | None) ->
             try:
                 await later
             except Exception:
-                # Only this frame is lost, as the inbox drops only an entry
-                # that fails; the session's next frames are still taken.
+                # It failed as on the loop (a failing tokenizer is retried
+                # there); as the inbox does, the session's next frames go on.
                 rt.log.exception("forwarded_frame_failed")
             later, frames = None, rt.forwarded
             while later is None and frames and rt.state not in GONE:
@@ -82,12 +82,9 @@ async def _forwarded_after(rt: SessionRuntime, later: Awaitable[None] | None) ->
 
 
 async def _resumed_after_detach(rt: SessionRuntime, last_seq: int) -> None:
-    while rt.state is RuntimeState.REMOTE:
-        await rt.detached.wait()
-        if rt.detached.is_set() and rt.state is RuntimeState.REMOTE:
-            _resumed_remotely(rt, last_seq)
-            return
-        # Else cleared again by a frame queued meanwhile: counted once taken.
+    await until_detached(rt)
+    if rt.state is RuntimeState.REMOTE:
+        _resumed_remotely(rt, last_seq)
 
 
 def _resumed_remotely(rt: SessionRuntime, last_seq: int) -> None:

@@ -33,11 +33,11 @@ from ..core.schema import SessionResume, parse_client_event
 from ..core.session import Session, SessionLimits
 from ..core.stages import Source, Stage, StageContext
 from ..engines.base import (
-    TOKENIZE_OFF_LOOP,
     Engine,
     EngineDelta,
     EngineError,
     TokenizeOffLoop,
+    asking_off_loop,
 )
 from ..logs import get_logger
 from ..storage.eventlog import EventLog, LogState, MemoryLog, resume_problem
@@ -514,19 +514,26 @@ def _restore(
     return session, logged_seq
 
 
+async def until_detached(rt: SessionRuntime) -> None:
+    """Wait until `rt.detached` is set and still set as this task runs on (a
+    forwarded frame queued between the set and now clears it again, and a
+    resume must count that frame too), or until the session is attached or
+    gone: the caller then refuses."""
+    while True:
+        await rt.detached.wait()
+        if rt.detached.is_set() or rt.state is RuntimeState.ATTACHED or rt.state in GONE:
+            return
+
+
 def _take(
     session: Session, obj: Any, *, off_loop: bool, again: bool = False
 ) -> TokenizeOffLoop | None:
     """Hand a client event to the session; its preflight may (`off_loop`) ask
     for its prompt's tokens instead of making them on the loop."""
-    token = TOKENIZE_OFF_LOOP.set(off_loop)
-    try:
-        session.receive_client_event(obj, checked=True, again=again)
-    except TokenizeOffLoop as off:
-        return off
-    finally:
-        TOKENIZE_OFF_LOOP.reset(token)
-    return None
+    asked = asking_off_loop(
+        lambda: session.receive_client_event(obj, checked=True, again=again), off_loop
+    )
+    return asked if isinstance(asked, TokenizeOffLoop) else None
 
 
 async def _tokenized_then_taken(rt: SessionRuntime, obj: Any, off: TokenizeOffLoop) -> None:

@@ -23,7 +23,7 @@ from ..engines import Engine, create_engine
 from ..logs import get_logger
 from ..runtime import cluster
 from ..runtime.follower import Follower
-from ..runtime.session_runtime import GONE, RuntimeState, SessionRuntime
+from ..runtime.session_runtime import GONE, RuntimeState, SessionRuntime, until_detached
 from ..runtime.socket import ClientSocket, Handoff, Outcome
 from ..runtime.ws import close_or_abort, inbound_budget
 from ..stages import build_stages
@@ -446,19 +446,15 @@ async def _take(ws: ServerConnection, runtime: SessionRuntime) -> bool:
     socket closed) if it ended meanwhile or another resume took it first."""
     if runtime.state is RuntimeState.ATTACHED and runtime.ws is not None:
         runtime.ws.transport.abort()  # its old socket is dead but did not know
-    while True:
-        await runtime.detached.wait()
-        if runtime.state in GONE:
-            await ws.close(1011, "the session ended while resuming")
-            return False
-        if runtime.state is RuntimeState.ATTACHED:
-            # Two resumes waited for the same old socket: one socket per session.
-            await ws.close(1011, "the session was resumed on another connection")
-            return False
-        if runtime.detached.is_set():
-            return True
-        # A follower's frame queued between the set and now (its prompt is
-        # tokenized off the loop): this resume must count it too.
+    await until_detached(runtime)
+    if runtime.state in GONE:
+        await ws.close(1011, "the session ended while resuming")
+        return False
+    if runtime.state is RuntimeState.ATTACHED:
+        # Two resumes waited for the same old socket: one socket per session.
+        await ws.close(1011, "the session was resumed on another connection")
+        return False
+    return True
 
 
 async def _failed(ws: ServerConnection, exc: Exception) -> None:
