@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from itertools import accumulate
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -36,6 +34,8 @@ from tokenwire.engines.base import (
     RequestError,
 )
 from tokenwire.engines.scripted import ScriptedEngine
+
+from ..helpers.template_engine import EncodeRecorder
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -213,20 +213,12 @@ async def test_a_long_prompt_left_to_generate_is_tokenized_off_the_loop(engine: 
     if template is None:
         assert engine.name == "scripted"  # it renders no prompt at all
         return
-    tokenizer, loop_thread = template.tokenizer, threading.get_ident()
-    encode, threads = tokenizer.encode, []
-
-    def recording(text: str, **kwargs: Any) -> list[int]:
-        threads.append((len(text), threading.get_ident()))
-        return encode(text, **kwargs)
-
-    tokenizer.encode = recording
     long = request("tell me more " * 400, max_output_tokens=4, ignore_eos=True)
-    try:
+    with EncodeRecorder(template.tokenizer) as encodes:
         deltas = await collect(engine, long)
-    finally:
-        tokenizer.encode = encode
-    assert [(chars > 4096, thread != loop_thread) for chars, thread in threads] == [(True, True)]
+    assert [(e.chars > 4096, encodes.on_loop(e), e.loop_ran) for e in encodes.calls] == [
+        (True, False, True)  # once, in a thread, while the loop went on
+    ]
     assert sum(d.output_tokens for d in deltas) == 4
     assert deltas[0].prompt_tokens == len(template.prompt_ids(long, 2048))
 

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from tokenwire.engines.replicas import Replica, replica_order
 from tokenwire.models import resolve_model
 
 from ..conftest import free_port
+from ..helpers.template_engine import EncodeRecorder
 from ..helpers.wait import until
 
 MODEL = str(resolve_model(None))
@@ -638,23 +638,15 @@ async def test_a_long_prompt_no_client_event_rendered_is_tokenized_off_the_loop(
     a = Fake(lambda b: Reply(200, content=sse(token("ok", 5, "stop"))))
     engine = await started(a)
     assert engine._template is not None
-    tokenizer = engine._template.tokenizer
-    encode, threads = tokenizer.encode, []
-
-    def recording(text: str, **kwargs: Any) -> list[int]:
-        threads.append((len(text), threading.get_ident()))
-        return encode(text, **kwargs)
-
-    tokenizer.encode = recording
     long = [{"role": "user", "content": "tell me more " * 400}]
     try:
-        deltas = [d async for d in engine.generate(ask(messages=long))]
-        short = [d async for d in engine.generate(ask(request_id="r2"))]
+        with EncodeRecorder(engine._template.tokenizer) as encodes:
+            deltas = [d async for d in engine.generate(ask(messages=long))]
+            short = [d async for d in engine.generate(ask(request_id="r2"))]
     finally:
-        tokenizer.encode = encode
         await engine.close()
     assert "".join(d.text for d in deltas) == "ok" and short[-1].finish_reason == "stop"
-    (chars, thread), (_, short_thread) = threads
-    assert chars > 4096 and thread != threading.get_ident()  # the long one: in a thread
-    assert short_thread == threading.get_ident()  # a short one costs less than the hop
+    first, second = encodes.calls
+    assert first.chars > 4096 and not encodes.on_loop(first) and first.loop_ran  # in a thread
+    assert encodes.on_loop(second)  # a short one costs less than the hop
     assert a.bodies[0]["token_ids"] == TEMPLATE.render(long)

@@ -73,8 +73,8 @@ async def test_a_forwarded_long_prompt_is_tokenized_off_the_loop_in_order() -> N
         receive_forwarded(rt, "attach", {"last_seq": 2}, "f2")
         assert rt.session.client_events == 1  # neither taken yet
         await until(lambda: rt.forwarded is None, "the forwarded frames taken", every=0.01)
-        long = [thread for chars, thread in engine.threads if chars > 4096]
-        assert long and long != [threading.get_ident()] and len(long) == 1  # once, in a thread
+        (long,) = engine.encodes.long()  # once,
+        assert not engine.encodes.on_loop(long) and long.loop_ran  # in a thread
         assert rt.session.client_events == 3
         replies = [e.get("event_id") for e in queued(rt) if e.get("event_id") in ("long", "after")]
         assert replies == ["long", "after"]  # in the order sent

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -122,35 +121,24 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
     rt = SessionRuntime(engine, ServerConfig(engine="scripted", max_events_per_s=0))
     rt.attach(open_socket(), dialect_for(subprotocol))  # type: ignore[arg-type]
     rt.go_live()
-    loop_thread = threading.get_ident()
     try:
         short = {"type": "message", "role": "user", "content": "Hello"}
         send(
             rt, {"type": "response.create", "response": {"conversation": "none", "input": [short]}}
         )
-        assert engine.threads[-1][1] == loop_thread  # a short prompt: on the loop
+        assert engine.encodes.on_loop(engine.encodes.calls[-1])  # a short prompt: on the loop
         long = {"type": "message", "role": "user", "content": "tell me more " * 1000}
         assert rt.receive(json.dumps({"type": "conversation.item.create", "item": long})) is None
         later = rt.receive(json.dumps({"type": "response.create", "event_id": "long"}))
         assert later is not None and not isinstance(later, dict)
         assert not [e for e in sent_events(rt.ws) if e.get("event_id") == "long"]  # not yet
         assert rt.session.client_events == 2  # not taken yet: a resume now must resend it
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        ticker = asyncio.create_task(tick())
         await later
-        ticker.cancel()
         created = [e for e in sent_events(rt.ws) if e["type"] == "response.created"]
         assert created[-1]["event_id"] == "long"
-        chars, thread = engine.threads[-1]
-        assert chars > 12_000 and thread != loop_thread  # tokenized once, in a thread
-        assert ticks > 0  # the loop ran while it was
+        (encode,) = engine.encodes.long(12_000)  # tokenized once,
+        assert not engine.encodes.on_loop(encode)  # in a thread,
+        assert encode.loop_ran  # while the loop went on
         assert rt.session.client_events == 3
     finally:
         await rt.end()
@@ -163,7 +151,6 @@ async def test_a_prompt_that_changed_meanwhile_is_tokenized_off_the_loop_again()
     rt = SessionRuntime(engine, ServerConfig(engine="scripted", max_events_per_s=0))
     rt.attach(open_socket(), dialect_for("tokenwire.v1.json"))  # type: ignore[arg-type]
     rt.go_live()
-    loop_thread = threading.get_ident()
     try:
         long = {"type": "message", "role": "user", "content": "tell me more " * 500}
         rt.receive(json.dumps({"type": "conversation.item.create", "item": long}))
@@ -175,8 +162,9 @@ async def test_a_prompt_that_changed_meanwhile_is_tokenized_off_the_loop_again()
         await later
         created = [e for e in sent_events(rt.ws) if e["type"] == "response.created"]
         assert created[-1]["event_id"] == "long"
-        long_encodes = [thread for chars, thread in engine.threads if chars > 4096]
-        assert len(long_encodes) == 2 and loop_thread not in long_encodes
+        long_encodes = engine.encodes.long()
+        assert len(long_encodes) == 2
+        assert not any(engine.encodes.on_loop(e) for e in long_encodes)
     finally:
         await rt.end()
 
