@@ -22,7 +22,14 @@ from tokenwire.client import Reconnect, connect
 from ..conftest import ARTIFACTS, RedisServer, Spawned, http_json, spawn_server
 from ..helpers.proxy import Proxy
 from ..helpers.wait import until
-from ..helpers.wire import Reader, expected, resume, start_stream, until_done_across_moves
+from ..helpers.wire import (
+    Reader,
+    Wire,
+    expected,
+    resume,
+    start_stream,
+    until_done_across_moves,
+)
 
 
 @contextmanager
@@ -355,6 +362,44 @@ async def test_a_follower_the_client_left_cannot_detach_it(redis_server: RedisSe
         )
         created = await asyncio.wait_for(reader.until("conversation.item.created"), 10)
         assert created["event_id"] == "after"
+        await reader.wire.ws.close()
+
+
+async def closed_with(wire: Wire) -> tuple[int, str]:
+    """Read what is still sent until the server closes the socket."""
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            await wire.recv()
+    assert closed.value.rcvd is not None
+    return closed.value.rcvd.code, closed.value.rcvd.reason
+
+
+async def test_a_later_resume_closes_the_socket_a_follower_served(
+    redis_server: RedisServer,
+) -> None:
+    """One socket per session across instances: the client resumes on C while
+    its socket on follower B is still open, then on the owner A while C's is.
+    Each older socket is closed with 1011, and the last one reads it all."""
+    moved = (1011, "the session was resumed on another connection")
+    with instances(redis_server, n=3, rate=50, name="moved") as (a, b, c):
+        wire, sid = await start_stream(a.url, 150)
+        reader = Reader(wire, 1)
+        while reader.last_seq < 5:
+            await reader.next()
+        wire.ws.transport.abort()
+        reader.wire, _ = await resume(b.url, sid, reader.last_seq)
+        while reader.last_seq < 10:
+            await reader.next()
+        on_b = reader.wire
+        reader.wire, _ = await resume(c.url, sid, reader.last_seq)
+        assert await closed_with(on_b) == moved
+        while reader.last_seq < 20:
+            await reader.next()
+        on_c = reader.wire
+        reader.wire, _ = await resume(a.url, sid, reader.last_seq)
+        assert await closed_with(on_c) == moved
+        await reader.until("response.done")
+        assert reader.text == expected(150)
         await reader.wire.ws.close()
 
 

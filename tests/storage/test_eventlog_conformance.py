@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from tokenwire.storage.eventlog import EventLog, Fenced, LogState, MemoryLog
-from tokenwire.storage.redis import RedisStore, unpack
+from tokenwire.storage.redis import Meta, RedisStore, unpack
 from tokenwire.storage.redis_log import RedisLog
 from tokenwire.wire.codec import decode_frame, encode_json
 
@@ -325,3 +325,21 @@ async def test_a_log_trimmed_past_its_snapshot_cannot_be_taken_over(store: Redis
     assert loaded is not None and [e.seq for e in loaded[1]] == list(range(2, 101))
     await store.redis.xtrim(f"tw:{sid}:log", minid="0-50", approximate=False)
     assert await store.load(sid) is None
+
+
+async def test_where_the_client_resumed_is_kept_only_while_the_session_is(
+    store: RedisStore,
+) -> None:
+    """A follower tells where the client is; after the owner dropped the
+    session, a late follower must not bring a meta (without an owner) back."""
+    sid = f"sess_conf_{next(_ids)}"
+    await store.register(sid, "key_1")
+    meta = await store.meta(sid)
+    assert meta is not None and meta.client is None
+    await store.set_client(sid, "f1")
+    await store.set_client(sid, "")
+    assert await store.meta(sid) == Meta(store.instance_id, "key_1", "")
+    assert await store.drop(sid)
+    await store.set_client(sid, "f2")
+    assert await store.meta(sid) is None
+    assert not await store.redis.exists(f"tw:{sid}:meta")

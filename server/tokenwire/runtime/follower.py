@@ -59,6 +59,9 @@ class Follower:
     ) -> Outcome:
         self._ws = ws
         sent = resume_from or 0
+        # Before the attach: a resume the owner takes after it (there or on
+        # another follower) overwrites this, and this follower then lets go.
+        await self.store.set_client(self.session_id, self.id)
         await self._forward("attach", {"last_seq": sent})
         reader = asyncio.create_task(self._forward_frames(ws, budget))
         self.log.info("following", last_seq=sent)
@@ -75,14 +78,19 @@ class Follower:
                     for frame in dialect.from_logged(entry.event):
                         await ws.send(frame)
                     sent = entry.seq
-                if time.monotonic() - last_ping >= self._ping_s:
+                due = time.monotonic() - last_ping >= self._ping_s
+                if due:
                     last_ping = time.monotonic()
                     await self._forward("ping")
-                if entries:
+                if entries and not due:
                     continue
                 meta = await self.store.meta(self.session_id)
                 if meta is None:  # the session ended (or expired) on its owner
                     await ws.close(1011, "the session ended")
+                    return "ended"
+                if meta.client is not None and meta.client != self.id:
+                    # One socket per session: a later resume took it.
+                    await close_or_abort(ws, 1011, "the session was resumed on another connection")
                     return "ended"
                 if not await self.store.alive(meta.owner):
                     reader.cancel()

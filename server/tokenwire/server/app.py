@@ -248,8 +248,13 @@ class TokenwireServer:
                     # The socket resumes another session; the fresh one never ran.
                     await self.registry.end_session(runtime)
                 runtime, resume_from = outcome.target, outcome.last_seq
-                if isinstance(runtime, SessionRuntime) and not await _take(ws, runtime):
-                    return
+                if isinstance(runtime, SessionRuntime):
+                    if not await _take(ws, runtime):
+                        return
+                    if runtime.follower is not None and self.store is not None:
+                        # A follower on another instance served its client:
+                        # it lets that socket go when it reads this.
+                        await self.store.set_client(runtime.session.id, "")
         except Exception as exc:
             await _failed(ws, exc)
             if isinstance(runtime, SessionRuntime) and runtime.state in _OURS:

@@ -14,7 +14,9 @@ Per session:
   `client_events` after a takeover).
 - `tw:{sid}:state`, the session snapshot at seq `n`, rewritten whenever the
   conversation's structure changes; text after it is in the log's deltas.
-- `tw:{sid}:meta`, a hash: the owning instance and the API key id.
+- `tw:{sid}:meta`, a hash: the owning instance, the API key id, and
+  `client`, where its client was last resumed (a follower's id, or empty:
+  on the owner), which tells a follower the client has moved on.
 
 Per client secret (an `ek_` key minted at /v1/realtime/client_secrets):
 - `tw:ek:{sha256 of the key}`, the minting key id, expiry and session
@@ -62,6 +64,16 @@ log = get_logger("tokenwire.redis")
 _CLAIM = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# Where the client was last resumed, if the session still exists (a
+# follower must not bring back a meta the owner dropped).
+_SET_CLIENT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'client', ARGV[1])
   return 1
 end
 return 0
@@ -162,6 +174,7 @@ class Entry:
 class Meta:
     owner: str
     key_id: str | None
+    client: str | None = None  # a follower's id, "" on the owner, None: not told
 
 
 class RedisStore:
@@ -177,6 +190,7 @@ class RedisStore:
         self._claim = self.redis.register_script(_CLAIM)
         self._append = self.redis.register_script(_APPEND)
         self._drop = self.redis.register_script(_DROP)
+        self._set_client = self.redis.register_script(_SET_CLIENT)
         self._tasks: list[asyncio.Task[None]] = []
         self._group = GroupCommit(self.redis, maxlen, self.instance_id, self.ttl_ms)
 
@@ -190,7 +204,7 @@ class RedisStore:
         try:
             await self.redis.set(_key("inst", self.instance_id), b"1", px=self.lease_ms)
             # Loaded now: a user without scripting fails here, not at the first delta.
-            for script in (_CLAIM, _APPEND, _DROP):
+            for script in (_CLAIM, _APPEND, _DROP, _SET_CLIENT):
                 await self.redis.script_load(script)
             await self._group.load()
         except redis.RedisError as exc:
@@ -265,7 +279,16 @@ class RedisStore:
         got = await self.redis.hgetall(_key(sid, "meta"))
         if not got:
             return None
-        return Meta(got[b"owner"].decode(), got[b"key_id"].decode() or None)
+        client = got.get(b"client")
+        return Meta(
+            got[b"owner"].decode(),
+            got[b"key_id"].decode() or None,
+            None if client is None else client.decode(),
+        )
+
+    async def set_client(self, sid: str, client: str) -> None:
+        """The session's client resumed on follower `client` ("": on its owner)."""
+        await self._set_client(keys=[_key(sid, "meta")], args=[client])
 
     async def claim(self, sid: str, dead_owner: str) -> bool:
         """Take a session over from a dead owner; False if another instance won."""
