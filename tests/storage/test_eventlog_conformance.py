@@ -327,19 +327,18 @@ async def test_a_log_trimmed_past_its_snapshot_cannot_be_taken_over(store: Redis
     assert await store.load(sid) is None
 
 
-async def test_where_the_client_resumed_is_kept_only_while_the_session_is(
+async def test_a_follower_let_go_is_marked_only_while_the_session_is(
     store: RedisStore,
 ) -> None:
-    """A follower tells where the client is; after the owner dropped the
-    session, a late follower must not bring a meta (without an owner) back."""
+    """The owner marks the followers it replaced; after it dropped the
+    session, a late mark must not bring a meta (without an owner) back."""
     sid = f"sess_conf_{next(_ids)}"
     await store.register(sid, "key_1")
-    meta = await store.meta(sid)
-    assert meta is not None and meta.client is None
-    await store.set_client(sid, "f1")
-    await store.set_client(sid, "")
-    assert await store.meta(sid) == Meta(store.instance_id, "key_1", "")
+    assert await store.meta(sid) == Meta(store.instance_id, "key_1", frozenset())
+    await store.let_go(sid, "f1")
+    await store.let_go(sid, "f2")
+    assert await store.meta(sid) == Meta(store.instance_id, "key_1", frozenset({"f1", "f2"}))
     assert await store.drop(sid)
-    await store.set_client(sid, "f2")
+    await store.let_go(sid, "f3")
     assert await store.meta(sid) is None
     assert not await store.redis.exists(f"tw:{sid}:meta")

@@ -5,10 +5,13 @@ served by a `Follower`: it replays the log after `last_seq`, then follows the
 tail the owner keeps writing, and forwards the client's frames to the owner's
 inbox. The owner's events (errors included) all come back through the log,
 so `seq` stays the owner's and nothing is sent twice. When the owner's lease
-is gone (crash, or drain) the follower closes the socket with 1012: frames it
+is gone (crash, or drain), or another instance owns the session now, the
+follower closes the socket with 1012: frames it
 forwarded may have died with the owner, and only a fresh resume tells the
 client exactly which ones to send again (`client_events`). That resume, here
-or anywhere, takes the session over.
+or anywhere, takes the session over. When the client resumed elsewhere
+while this socket looked alive, the owner marks this follower in the meta
+(`left:`), and it closes with 1011.
 """
 
 from __future__ import annotations
@@ -59,9 +62,6 @@ class Follower:
     ) -> Outcome:
         self._ws = ws
         sent = resume_from or 0
-        # Before the attach: a resume the owner takes after it (there or on
-        # another follower) overwrites this, and this follower then lets go.
-        await self.store.set_client(self.session_id, self.id)
         await self._forward("attach", {"last_seq": sent})
         reader = asyncio.create_task(self._forward_frames(ws, budget))
         self.log.info("following", last_seq=sent)
@@ -88,18 +88,17 @@ class Follower:
                 if meta is None:  # the session ended (or expired) on its owner
                     await ws.close(1011, "the session ended")
                     return "ended"
-                if meta.client is not None and meta.client != self.id:
-                    # One socket per session: a later resume took it.
+                if self.id in meta.left:
+                    # One socket per session: the client resumed elsewhere.
                     await close_or_abort(ws, 1011, "the session was resumed on another connection")
                     return "ended"
-                if not await self.store.alive(meta.owner):
+                if meta.owner != self.owner or not await self.store.alive(meta.owner):
+                    # The owner died or drained. A new owner took the session
+                    # over for a resume elsewhere: attaching to it would take
+                    # the session from that client.
                     reader.cancel()
                     await ws.close(CLOSE_SERVICE_RESTART, "session moved")
                     return "ended"
-                if meta.owner != self.owner:
-                    # The session moved to a live instance: follow that one.
-                    self.owner = meta.owner
-                    await self._forward("attach", {"last_seq": sent})
             return "ended" if reader.result() else "lost"
         except ConnectionClosed:
             return "lost"

@@ -251,10 +251,8 @@ class TokenwireServer:
                 if isinstance(runtime, SessionRuntime):
                     if not await _take(ws, runtime):
                         return
-                    if runtime.follower is not None and self.store is not None:
-                        # A follower on another instance served its client:
-                        # it lets that socket go when it reads this.
-                        await self.store.set_client(runtime.session.id, "")
+                    # No await from here to the attach: one socket per session.
+                    self.registry.replacing_follower(runtime)
         except Exception as exc:
             await _failed(ws, exc)
             if isinstance(runtime, SessionRuntime) and runtime.state in _OURS:

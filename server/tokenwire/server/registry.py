@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from .. import metrics
@@ -34,7 +35,7 @@ class Registry:
         self.store = store
         self.sessions: dict[str, SessionRuntime] = {}
         self.stages: tuple[Stage, ...] = ()  # what every new session's generations pass through
-        self._expiring: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()  # held until done
         # Takeovers under way, by session: a second resume meanwhile waits for the first.
         self._taking: dict[str, asyncio.Future[SessionRuntime | None]] = {}
         # Sessions that ended here but whose keys Redis failed to drop, by when
@@ -160,9 +161,33 @@ class Registry:
         if op == "close":
             await self.end_session(runtime)
             return
+        if op == "attach" and runtime.follower != follower:
+            self.replacing_follower(runtime)
         cluster.receive_forwarded(runtime, op, data, follower)
         if runtime.state in (RuntimeState.REMOTE, RuntimeState.DETACHED):
             self.arm_expiry(runtime)  # the follower is alive: the grace period starts over
+
+    def replacing_follower(self, runtime: SessionRuntime) -> None:
+        """A resume takes the session from the follower that serves its client
+        (on another instance, whose socket this one cannot close): tell that
+        follower to let its socket go. In the background: the inbox and the
+        resume go on meanwhile."""
+        if runtime.state is not RuntimeState.REMOTE or runtime.follower is None:
+            return
+        self._spawn(self._let_go(runtime, runtime.follower))
+
+    async def _let_go(self, runtime: SessionRuntime, follower: str) -> None:
+        assert self.store is not None
+        try:
+            await self.store.let_go(runtime.session.id, follower)
+        except Exception as exc:
+            # That socket stays open until its client leaves, as before.
+            runtime.log.warning("let_go_failed", follower=follower, error=str(exc))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def arm_expiry(self, runtime: SessionRuntime) -> None:
         if runtime.expiry is not None:
@@ -174,9 +199,7 @@ class Registry:
     def _expire(self, runtime: SessionRuntime) -> None:
         if runtime.state in (RuntimeState.DETACHED, RuntimeState.REMOTE):
             runtime.log.info("resume_grace_over")
-            task = asyncio.get_running_loop().create_task(self.end_session(runtime))
-            self._expiring.add(task)
-            task.add_done_callback(self._expiring.discard)
+            self._spawn(self.end_session(runtime))
 
     async def end_session(self, runtime: SessionRuntime) -> None:
         self.forget(runtime)

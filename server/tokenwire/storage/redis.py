@@ -15,8 +15,8 @@ Per session:
 - `tw:{sid}:state`, the session snapshot at seq `n`, rewritten whenever the
   conversation's structure changes; text after it is in the log's deltas.
 - `tw:{sid}:meta`, a hash: the owning instance, the API key id, and
-  `client`, where its client was last resumed (a follower's id, or empty:
-  on the owner), which tells a follower the client has moved on.
+  `left:{follower id}` for each follower the owner replaced while it still
+  served the client (it closes its socket when it reads that).
 
 Per client secret (an `ek_` key minted at /v1/realtime/client_secrets):
 - `tw:ek:{sha256 of the key}`, the minting key id, expiry and session
@@ -69,11 +69,11 @@ end
 return 0
 """
 
-# Where the client was last resumed, if the session still exists (a
-# follower must not bring back a meta the owner dropped).
-_SET_CLIENT = """
+# A field of the meta, only while the session exists (a late write must
+# not bring back a meta, without an owner, that the owner dropped).
+_MARK = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'client', ARGV[1])
+  redis.call('HSET', KEYS[1], ARGV[1], '1')
   return 1
 end
 return 0
@@ -174,7 +174,7 @@ class Entry:
 class Meta:
     owner: str
     key_id: str | None
-    client: str | None = None  # a follower's id, "" on the owner, None: not told
+    left: frozenset[str] = frozenset()  # followers the owner replaced
 
 
 class RedisStore:
@@ -190,7 +190,7 @@ class RedisStore:
         self._claim = self.redis.register_script(_CLAIM)
         self._append = self.redis.register_script(_APPEND)
         self._drop = self.redis.register_script(_DROP)
-        self._set_client = self.redis.register_script(_SET_CLIENT)
+        self._mark = self.redis.register_script(_MARK)
         self._tasks: list[asyncio.Task[None]] = []
         self._group = GroupCommit(self.redis, maxlen, self.instance_id, self.ttl_ms)
 
@@ -204,7 +204,7 @@ class RedisStore:
         try:
             await self.redis.set(_key("inst", self.instance_id), b"1", px=self.lease_ms)
             # Loaded now: a user without scripting fails here, not at the first delta.
-            for script in (_CLAIM, _APPEND, _DROP, _SET_CLIENT):
+            for script in (_CLAIM, _APPEND, _DROP, _MARK):
                 await self.redis.script_load(script)
             await self._group.load()
         except redis.RedisError as exc:
@@ -279,16 +279,16 @@ class RedisStore:
         got = await self.redis.hgetall(_key(sid, "meta"))
         if not got:
             return None
-        client = got.get(b"client")
         return Meta(
             got[b"owner"].decode(),
             got[b"key_id"].decode() or None,
-            None if client is None else client.decode(),
+            frozenset(k[5:].decode() for k in got if k.startswith(b"left:")),
         )
 
-    async def set_client(self, sid: str, client: str) -> None:
-        """The session's client resumed on follower `client` ("": on its owner)."""
-        await self._set_client(keys=[_key(sid, "meta")], args=[client])
+    async def let_go(self, sid: str, follower: str) -> None:
+        """The owner replaced `follower`, which still served the client: the
+        client resumed elsewhere. That follower closes its socket on reading it."""
+        await self._mark(keys=[_key(sid, "meta")], args=[f"left:{follower}"])
 
     async def claim(self, sid: str, dead_owner: str) -> bool:
         """Take a session over from a dead owner; False if another instance won."""
