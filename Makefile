@@ -81,11 +81,11 @@ client_js/node_modules/.installed: client_js/package-lock.json
 	cd client_js && npm ci --no-audit --no-fund
 	touch $@
 
+# The real-engine tests and the rest run side by side (tests/run.sh).
 test: install-test model client_js/node_modules/.installed
-	$(BIN)/python -m pytest -q
-	cd client_js && node --test
+	PYTHON=$(BIN)/python tests/run.sh
 
-# Everything but the real-engine tests; seconds, not minutes.
+# Everything but the real-engine tests: a few minutes.
 test-fast: install-test client_js/node_modules/.installed
 	$(BIN)/python -m pytest -q -m "not vllm" --ignore=tests/engines/test_models.py
 
