@@ -4,13 +4,16 @@
 # and the rest (pytest, then the JS client's node tests). About 0.7x of the
 # time of one after the other. Exits non-zero if either part failed.
 set -uo pipefail
+set -m # the real-engine part gets a process group of its own: stopped whole
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 mkdir -p test-artifacts
 log=test-artifacts/pytest-vllm.log
 "$py" -m pytest -q -m vllm >"$log" 2>&1 &
 engine=$!
-trap 'kill "$engine" 2>/dev/null' EXIT
+# Interrupted: stop it and the servers it started (a background job does not
+# get the terminal's Ctrl-C).
+trap 'kill -TERM -- "-$engine" 2>/dev/null' EXIT
 echo ">> the real-engine tests run meanwhile: tail -f $log"
 "$py" -m pytest -q -m "not vllm"
 rest=$?
