@@ -126,7 +126,8 @@ async def test_cancel_frees_the_remote_slot(gateway: Spawned, vllm_openai: VllmO
         done = await response.cancel()
         assert done["status"] == "cancelled"
         while await asyncio.to_thread(vllm_openai.running) > 0:
-            assert time.monotonic() - t0 < 2.0, "the vLLM server still runs the cancelled request"
+            # 1000 tokens would take over 20 s here.
+            assert time.monotonic() - t0 < 10.0, "the vLLM server still runs the cancelled request"
             await asyncio.sleep(0.005)
         print(f"\ncancel -> vLLM slot free in {(time.monotonic() - t0) * 1000:.0f} ms")
         # The session goes on.

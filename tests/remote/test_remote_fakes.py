@@ -376,7 +376,7 @@ async def test_no_first_token_in_time_goes_to_the_next_replica() -> None:
     t0 = time.monotonic()
     deltas = await run(engine, ask())
     assert "".join(d.text for d in deltas) == "hi"
-    assert 0.3 <= time.monotonic() - t0 < 3.0
+    assert 0.3 <= time.monotonic() - t0 < 10.0  # not the 30 s the first replica holds it
     assert engine.replicas[0].failures == 1 and len(b.bodies) == 1
     assert b.bodies[0]["token_ids"] == a.bodies[0]["token_ids"]
 

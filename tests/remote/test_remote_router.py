@@ -93,6 +93,6 @@ async def test_through_the_router(router: str, vllm_openai: VllmOpenAI) -> None:
             await task
         freed = await server_idle_after(vllm_openai, t0)
         print(f"\nvia vllm-router ({endpoint}): cancel -> slot free in {freed * 1000:.0f} ms")
-        assert freed < 2.0
+        assert freed < 10.0  # 1000 tokens would take over 20 s here: aborted
     finally:
         await engine.close()

@@ -77,7 +77,7 @@ async def test_cancel_frees_the_server_slot(vllm_openai: VllmOpenAI, endpoint: s
             await task
         freed = await server_idle_after(vllm_openai, t0)
         print(f"\n{endpoint}: cancel -> server slot free in {freed * 1000:.0f} ms")
-        assert freed < 2.0
+        assert freed < 10.0  # 1000 tokens would take over 20 s here: aborted
         assert engine.load().running == 0
     finally:
         await engine.close()
@@ -159,7 +159,8 @@ async def test_a_stalled_replica_times_out_and_the_generation_moves_on(
         config = ServerConfig(
             engine="remote", remote_url=(f"http://127.0.0.1:{proxy.port}", vllm_openai.url)
         )
-        config.remote_timeout_s = 1.0
+        # Above what the real server may stay silent on a busy machine.
+        config.remote_timeout_s = 3.0
         engine = RemoteEngine(config)
         await engine.start()
         try:
@@ -187,7 +188,7 @@ async def test_a_stalled_replica_times_out_and_the_generation_moves_on(
     assert [t for d in parts for t in d.token_ids or ()] == [
         t for d in whole for t in d.token_ids or ()
     ]
-    assert took < 1.0 + 10.0  # the timeout, plus 30 tokens at this machine's pace
+    assert took < 3.0 + 20.0  # the timeout, plus 30 tokens at a busy machine's pace
     await server_idle_after(vllm_openai, time.monotonic())
 
 

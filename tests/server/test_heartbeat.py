@@ -15,6 +15,7 @@ from tokenwire.config import ServerConfig
 from tokenwire.server.heartbeat import Heartbeat
 
 from ..conftest import _scripted_server
+from ..helpers.wait import until
 
 
 def config(**overrides: object) -> ServerConfig:
@@ -40,19 +41,31 @@ class FakeConnection:
         self.closed = (code, reason)
 
 
+async def tick(beat: Heartbeat) -> None:
+    """One tick, by hand (its own timer cancelled: nothing depends on the
+    machine's pace), and the pings it started."""
+    beat._tick()
+    assert beat._timer is not None
+    beat._timer.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
 async def test_connections_are_pinged_in_turn_and_a_missing_pong_closes() -> None:
-    beat = Heartbeat(interval_s=0.8, timeout_s=0.4, tick_s=0.2)
+    beat = Heartbeat(interval_s=0.8, timeout_s=0.05, tick_s=0.2)
     conns = [FakeConnection(answers=i > 0) for i in range(4)]
     for conn in conns:
         beat.add(conn)  # type: ignore[arg-type]
     assert len(beat) == 4
-    beat.start()
     try:
-        await asyncio.sleep(0.3)  # one tick: the first slot only
+        await tick(beat)  # one tick: the first slot only
         assert [c.pings for c in conns] == [1, 0, 0, 0]
-        await asyncio.sleep(0.6)  # a whole interval: each once
+        for _ in range(3):  # a whole interval: each once
+            await tick(beat)
         assert [c.pings for c in conns] == [1, 1, 1, 1]
-        await asyncio.sleep(0.8)  # conns[0] never answered; the others are pinged again
+        await asyncio.sleep(0.1)  # past the timeout: conns[0] never answered
+        for _ in range(4):  # the others are pinged again
+            await tick(beat)
         assert conns[0].closed == (1011, "keepalive ping timeout")
         assert [c.closed for c in conns[1:]] == [None, None, None]
         assert [c.pings for c in conns[1:]] == [2, 2, 2]
@@ -63,14 +76,16 @@ async def test_connections_are_pinged_in_turn_and_a_missing_pong_closes() -> Non
 
 
 async def test_a_real_client_answers_and_stays() -> None:
-    async with _scripted_server(config(ping_interval_s=0.2)) as running:
+    # A pong may take up to the interval: 1 s, for a machine busy with other tests.
+    async with _scripted_server(config(ping_interval_s=1.0)) as running:
         assert running.server.heartbeat is not None
         async with ws_connect(running.url) as ws:
             await ws.recv()  # session.created
-            await asyncio.sleep(0.7)
             [runtime] = running.server.connections
-            assert runtime.ws is not None and runtime.ws.latency > 0  # a pong came back
-            assert ws.state.name == "OPEN"
+            assert runtime.ws is not None
+            await until(lambda: runtime.ws.latency > 0, "a pong came back", every=0.05)
+            await asyncio.sleep(1.5)  # and more pings after it
+            assert ws.state.name == "OPEN" and runtime.ws is not None
         await asyncio.sleep(0.05)
         assert len(running.server.heartbeat) == 0
 

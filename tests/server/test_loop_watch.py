@@ -12,6 +12,7 @@ from tokenwire import metrics
 from tokenwire.server.loop_watch import LoopWatch
 
 from ..conftest import RunningServer
+from ..helpers.wait import until
 
 
 def lag_count(at_least_s: float) -> int:
@@ -35,13 +36,12 @@ async def test_a_blocked_loop_is_measured_and_logged() -> None:
     assert watch.stalls == 1
     [stalled] = [e for e in logs if e["event"] == "event_loop_stalled"]
     assert stalled["lag_s"] >= 0.7 and "blocking call" in stalled["hint"]
-    assert lag_count(0.25) == before + 1
+    assert lag_count(0.25) >= before + 1  # a busy machine may add a late tick
 
 
 async def test_the_server_watches_its_loop(scripted: RunningServer) -> None:
     before = sum(metrics.LOOP_LAG.counts)
-    await asyncio.sleep(1.2)  # two periods
-    assert sum(metrics.LOOP_LAG.counts) >= before + 2
+    await until(lambda: sum(metrics.LOOP_LAG.counts) >= before + 2, "two periods", every=0.1)
     text = await asyncio.to_thread(scrape, scripted.http + "/metrics")
     assert "tokenwire_event_loop_lag_seconds_count" in text
 

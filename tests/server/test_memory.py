@@ -25,8 +25,8 @@ from ..helpers.wait import until
 @pytest.fixture
 def fast(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory, "MIN_ENDED", 4)
-    monkeypatch.setattr(memory, "QUIET_S", 0.05)
-    monkeypatch.setattr(memory, "MAX_WAIT_S", 0.4)
+    monkeypatch.setattr(memory, "QUIET_S", 0.15)
+    monkeypatch.setattr(memory, "MAX_WAIT_S", 1.2)
 
 
 class Trim:
@@ -60,7 +60,7 @@ async def test_a_wave_is_reclaimed_once_after_it_ends() -> None:
         reclaimer.session_ended(still_open)
         await asyncio.sleep(0.01)
     assert reclaimer.reclaims == 0  # still ending: wait for quiet
-    await asyncio.sleep(0.15)
+    await asyncio.sleep(0.4)
     assert reclaimer.reclaims == 1 and trim.calls == 1
     assert reclaimer.ended == 0
 
@@ -71,21 +71,21 @@ async def test_few_ended_or_many_still_open_do_not_reclaim() -> None:
     reclaimer = Reclaimer(trim)
     for _ in range(3):  # under MIN_ENDED
         reclaimer.session_ended(0)
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
     for _ in range(10):  # 13 ended, but 100 still open: a collection costs too much
         reclaimer.session_ended(100)
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
     assert reclaimer.reclaims == 0 and trim.calls == 0
     for still_open in range(6, 0, -1):  # 19 ended, 1 open
         reclaimer.session_ended(still_open)
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
     assert reclaimer.reclaims == 1
 
 
 @pytest.mark.usefixtures("fast")
 async def test_a_wave_that_goes_on_is_reclaimed_at_the_latest_after_max_wait() -> None:
     reclaimer = Reclaimer(Trim())
-    for _ in range(70):  # endings every 10 ms for 0.7 s: never quiet
+    for _ in range(150):  # endings every 10 ms for 1.5 s: never quiet
         reclaimer.session_ended(0)
         await asyncio.sleep(0.01)
     assert reclaimer.reclaims >= 1
@@ -96,14 +96,14 @@ async def test_the_tail_of_a_wave_is_reclaimed_when_its_last_session_ends() -> N
     reclaimer = Reclaimer(Trim())
     for _ in range(8):
         reclaimer.session_ended(3)  # 8 ended, 3 still open: reclaim, with a tail
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
     assert reclaimer.reclaims == 1
     for still_open in (2, 1):
         reclaimer.session_ended(still_open)
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
     assert reclaimer.reclaims == 1  # 2 ended: not yet
     reclaimer.session_ended(0)  # the last one
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
     assert reclaimer.reclaims == 2
 
 
