@@ -28,13 +28,12 @@ def settings(argv: list[str], **kw: object):  # type: ignore[no-untyped-def]
     return engine_args(argv, **fields)  # type: ignore[arg-type]
 
 
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tokenwire", "serve", *args]
+
+
 def serve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tokenwire", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return subprocess.run(serve_command(*args), capture_output=True, text=True, timeout=120)
 
 
 # Starts refused once vLLM's parser has read the flags: each takes ~15 s to
@@ -49,7 +48,7 @@ REFUSED = {
 def refused() -> dict[str, subprocess.CompletedProcess[str]]:
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "tokenwire", "serve", *args],
+            serve_command(*args),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
