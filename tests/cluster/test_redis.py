@@ -400,6 +400,16 @@ async def test_a_later_resume_closes_the_socket_a_follower_served(
         assert await closed_with(on_c) == moved
         await reader.until("response.done")
         assert reader.text == expected(150)
+        # Both let go and detached: their marks are gone from the meta.
+        meta = redis.Redis.from_url(redis_server.url)
+        try:
+            await until(
+                lambda: not [k for k in meta.hkeys(f"tw:{sid}:meta") if k.startswith(b"left:")],
+                "the marks dropped",
+                every=0.05,
+            )
+        finally:
+            meta.close()
         await reader.wire.ws.close()
 
 

@@ -4,6 +4,7 @@ lets its client's socket go, and with which close code."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,8 +53,10 @@ class Store:
         await asyncio.sleep(block_ms / 1000)
         return []
 
-    async def meta(self, sid: str) -> Meta | None:
-        return self.meta_now
+    async def meta(self, sid: str, follower: str | None = None) -> Meta | None:
+        if self.meta_now is None:  # as Redis answers: only the follower's own mark
+            return None
+        return replace(self.meta_now, left=self.meta_now.left & {follower})
 
     async def alive(self, iid: str) -> bool:
         return iid in self.live

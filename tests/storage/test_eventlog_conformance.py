@@ -330,15 +330,21 @@ async def test_a_log_trimmed_past_its_snapshot_cannot_be_taken_over(store: Redis
 async def test_a_follower_let_go_is_marked_only_while_the_session_is(
     store: RedisStore,
 ) -> None:
-    """The owner marks the followers it replaced; after it dropped the
-    session, a late mark must not bring a meta (without an owner) back."""
+    """The owner marks the followers it replaced, each reads its own mark, and
+    a detached one's mark goes; after the owner dropped the session, a late
+    mark must not bring a meta (without an owner) back."""
     sid = f"sess_conf_{next(_ids)}"
     await store.register(sid, "key_1")
-    assert await store.meta(sid) == Meta(store.instance_id, "key_1", frozenset())
+    assert await store.meta(sid, "f1") == Meta(store.instance_id, "key_1", frozenset())
     await store.let_go(sid, "f1")
     await store.let_go(sid, "f2")
-    assert await store.meta(sid) == Meta(store.instance_id, "key_1", frozenset({"f1", "f2"}))
+    assert await store.meta(sid, "f1") == Meta(store.instance_id, "key_1", frozenset({"f1"}))
+    assert (await store.meta(sid, "f3")).left == frozenset()  # type: ignore[union-attr]
+    await store.forget_follower(sid, "f1")
+    assert (await store.meta(sid, "f1")).left == frozenset()  # type: ignore[union-attr]
+    assert await store.redis.hkeys(f"tw:{sid}:meta") == [b"owner", b"key_id", b"left:f2"]
     assert await store.drop(sid)
     await store.let_go(sid, "f3")
-    assert await store.meta(sid) is None
+    await store.forget_follower(sid, "f2")
+    assert await store.meta(sid, "f3") is None
     assert not await store.redis.exists(f"tw:{sid}:meta")

@@ -84,7 +84,7 @@ class Follower:
                     await self._forward("ping")
                 if entries and not due:
                     continue
-                meta = await self.store.meta(self.session_id)
+                meta = await self.store.meta(self.session_id, self.id)
                 if meta is None:  # the session ended (or expired) on its owner
                     await ws.close(1011, "the session ended")
                     return "ended"

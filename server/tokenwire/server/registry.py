@@ -157,6 +157,8 @@ class Registry:
         if runtime is None or runtime.state in GONE:
             return
         if op != "attach" and follower != runtime.follower:
+            if op in ("detach", "close"):  # a follower let go is done: drop its mark
+                self._spawn(self._forget_follower(runtime, follower))
             return  # from a follower the client has left
         if op == "close":
             await self.end_session(runtime)
@@ -183,6 +185,13 @@ class Registry:
         except Exception as exc:
             # That socket stays open until its client leaves, as before.
             runtime.log.warning("let_go_failed", follower=follower, error=str(exc))
+
+    async def _forget_follower(self, runtime: SessionRuntime, follower: str) -> None:
+        assert self.store is not None
+        try:
+            await self.store.forget_follower(runtime.session.id, follower)
+        except Exception as exc:  # the mark stays until the session's keys go
+            runtime.log.warning("forget_follower_failed", follower=follower, error=str(exc))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -16,7 +16,8 @@ Per session:
   conversation's structure changes; text after it is in the log's deltas.
 - `tw:{sid}:meta`, a hash: the owning instance, the API key id, and
   `left:{follower id}` for each follower the owner replaced while it still
-  served the client (it closes its socket when it reads that).
+  served the client (it closes its socket when it reads that; its detach
+  has the owner delete the field).
 
 Per client secret (an `ek_` key minted at /v1/realtime/client_secrets):
 - `tw:ek:{sha256 of the key}`, the minting key id, expiry and session
@@ -174,7 +175,7 @@ class Entry:
 class Meta:
     owner: str
     key_id: str | None
-    left: frozenset[str] = frozenset()  # followers the owner replaced
+    left: frozenset[str] = frozenset()  # the follower asked about, if marked
 
 
 class RedisStore:
@@ -275,20 +276,24 @@ class RedisStore:
         pipe.pexpire(_key(sid, "meta"), self.ttl_ms)
         await pipe.execute()
 
-    async def meta(self, sid: str) -> Meta | None:
-        got = await self.redis.hgetall(_key(sid, "meta"))
-        if not got:
+    async def meta(self, sid: str, follower: str | None = None) -> Meta | None:
+        """Owner and key; with `follower`, whether it is marked as let go
+        (only its own field is read: a long session may have many)."""
+        fields = ["owner", "key_id"] + ([] if follower is None else [f"left:{follower}"])
+        owner, key_id, *left = await self.redis.hmget(_key(sid, "meta"), fields)
+        if owner is None:
             return None
-        return Meta(
-            got[b"owner"].decode(),
-            got[b"key_id"].decode() or None,
-            frozenset(k[5:].decode() for k in got if k.startswith(b"left:")),
-        )
+        gone = frozenset({follower}) if left and left[0] is not None else frozenset()
+        return Meta(owner.decode(), (key_id or b"").decode() or None, gone)
 
     async def let_go(self, sid: str, follower: str) -> None:
         """The owner replaced `follower`, which still served the client: the
         client resumed elsewhere. That follower closes its socket on reading it."""
         await self._mark(keys=[_key(sid, "meta")], args=[f"left:{follower}"])
+
+    async def forget_follower(self, sid: str, follower: str) -> None:
+        """A follower let go has detached: its mark is read no more."""
+        await self.redis.hdel(_key(sid, "meta"), f"left:{follower}")
 
     async def claim(self, sid: str, dead_owner: str) -> bool:
         """Take a session over from a dead owner; False if another instance won."""
