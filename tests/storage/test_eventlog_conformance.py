@@ -335,13 +335,13 @@ async def test_a_follower_let_go_is_marked_only_while_the_session_is(
     mark must not bring a meta (without an owner) back."""
     sid = f"sess_conf_{next(_ids)}"
     await store.register(sid, "key_1")
-    assert await store.meta(sid, "f1") == Meta(store.instance_id, "key_1", frozenset())
+    assert await store.meta(sid, "f1") == Meta(store.instance_id, "key_1", let_go=False)
     await store.let_go(sid, "f1")
     await store.let_go(sid, "f2")
-    assert await store.meta(sid, "f1") == Meta(store.instance_id, "key_1", frozenset({"f1"}))
-    assert (await store.meta(sid, "f3")).left == frozenset()  # type: ignore[union-attr]
+    assert await store.meta(sid, "f1") == Meta(store.instance_id, "key_1", let_go=True)
+    assert await store.meta(sid, "f3") == Meta(store.instance_id, "key_1", let_go=False)
     await store.forget_follower(sid, "f1")
-    assert (await store.meta(sid, "f1")).left == frozenset()  # type: ignore[union-attr]
+    assert await store.meta(sid, "f1") == Meta(store.instance_id, "key_1", let_go=False)
     assert await store.redis.hkeys(f"tw:{sid}:meta") == [b"owner", b"key_id", b"left:f2"]
     assert await store.drop(sid)
     await store.let_go(sid, "f3")

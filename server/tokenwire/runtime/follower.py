@@ -88,7 +88,7 @@ class Follower:
                 if meta is None:  # the session ended (or expired) on its owner
                     await ws.close(1011, "the session ended")
                     return "ended"
-                if self.id in meta.left:
+                if meta.let_go:
                     # One socket per session: the client resumed elsewhere.
                     await close_or_abort(ws, 1011, "the session was resumed on another connection")
                     return "ended"

@@ -158,7 +158,7 @@ class Registry:
             return
         if op != "attach" and follower != runtime.follower:
             if op in ("detach", "close"):  # a follower let go is done: drop its mark
-                self._spawn(self._forget_follower(runtime, follower))
+                self._spawn(self._mark(runtime, follower, left=False))
             return  # from a follower the client has left
         if op == "close":
             await self.end_session(runtime)
@@ -176,22 +176,19 @@ class Registry:
         resume go on meanwhile."""
         if runtime.state is not RuntimeState.REMOTE or runtime.follower is None:
             return
-        self._spawn(self._let_go(runtime, runtime.follower))
+        self._spawn(self._mark(runtime, runtime.follower, left=True))
 
-    async def _let_go(self, runtime: SessionRuntime, follower: str) -> None:
+    async def _mark(self, runtime: SessionRuntime, follower: str, *, left: bool) -> None:
+        """Mark `follower` as let go, or drop the mark once it detached."""
         assert self.store is not None
+        write = self.store.let_go if left else self.store.forget_follower
         try:
-            await self.store.let_go(runtime.session.id, follower)
+            await write(runtime.session.id, follower)
         except Exception as exc:
-            # That socket stays open until its client leaves, as before.
-            runtime.log.warning("let_go_failed", follower=follower, error=str(exc))
-
-    async def _forget_follower(self, runtime: SessionRuntime, follower: str) -> None:
-        assert self.store is not None
-        try:
-            await self.store.forget_follower(runtime.session.id, follower)
-        except Exception as exc:  # the mark stays until the session's keys go
-            runtime.log.warning("forget_follower_failed", follower=follower, error=str(exc))
+            # Let go: its socket stays open until its client leaves, as before.
+            # Forgotten: the mark stays until the session's keys go.
+            failed = "let_go_failed" if left else "forget_follower_failed"
+            runtime.log.warning(failed, follower=follower, error=str(exc))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

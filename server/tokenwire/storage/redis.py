@@ -175,7 +175,7 @@ class Entry:
 class Meta:
     owner: str
     key_id: str | None
-    left: frozenset[str] = frozenset()  # the follower asked about, if marked
+    let_go: bool = False  # the follower asked about is marked
 
 
 class RedisStore:
@@ -283,8 +283,8 @@ class RedisStore:
         owner, key_id, *left = await self.redis.hmget(_key(sid, "meta"), fields)
         if owner is None:
             return None
-        gone = frozenset({follower}) if left and left[0] is not None else frozenset()
-        return Meta(owner.decode(), (key_id or b"").decode() or None, gone)
+        marked = bool(left) and left[0] is not None
+        return Meta(owner.decode(), (key_id or b"").decode() or None, marked)
 
     async def let_go(self, sid: str, follower: str) -> None:
         """The owner replaced `follower`, which still served the client: the
