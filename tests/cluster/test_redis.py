@@ -24,7 +24,7 @@ from ..helpers.proxy import Proxy
 from ..helpers.wait import until
 from ..helpers.wire import (
     Reader,
-    Wire,
+    closed_with,
     expected,
     resume,
     start_stream,
@@ -365,15 +365,6 @@ async def test_a_follower_the_client_left_cannot_detach_it(redis_server: RedisSe
         await reader.wire.ws.close()
 
 
-async def closed_with(wire: Wire) -> tuple[int, str]:
-    """Read what is still sent until the server closes the socket."""
-    with pytest.raises(ConnectionClosed) as closed:
-        while True:
-            await wire.recv()
-    assert closed.value.rcvd is not None
-    return closed.value.rcvd.code, closed.value.rcvd.reason
-
-
 async def test_a_later_resume_closes_the_socket_a_follower_served(
     redis_server: RedisServer,
 ) -> None:
@@ -392,12 +383,12 @@ async def test_a_later_resume_closes_the_socket_a_follower_served(
             await reader.next()
         on_b = reader.wire
         reader.wire, _ = await resume(c.url, sid, reader.last_seq)
-        assert await closed_with(on_b) == moved
+        assert await closed_with(on_b.ws) == moved
         while reader.last_seq < 20:
             await reader.next()
         on_c = reader.wire
         reader.wire, _ = await resume(a.url, sid, reader.last_seq)
-        assert await closed_with(on_c) == moved
+        assert await closed_with(on_c.ws) == moved
         await reader.until("response.done")
         assert reader.text == expected(150)
         # Both let go and detached: their marks are gone from the meta.

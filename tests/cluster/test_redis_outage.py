@@ -22,6 +22,7 @@ from tokenwire.wire.close_codes import CLOSE_SERVICE_RESTART, STORE_UNAVAILABLE
 
 from ..conftest import RedisServer, RunningServer, free_port, start_redis
 from ..helpers.wait import until
+from ..helpers.wire import closed_with
 
 
 class OwnRedis:
@@ -88,15 +89,6 @@ async def detached_session(running: RunningServer) -> str:
     ws.transport.abort()
     await until(lambda: running.server.sessions[sid].state == "detached", "the socket dropped")
     return sid
-
-
-async def closed_with(ws: ClientConnection) -> tuple[int, str]:
-    """The close code and reason the server sent, reading past any events."""
-    with pytest.raises(ConnectionClosed) as closed:
-        while True:
-            await recv(ws)
-    assert closed.value.rcvd is not None, "the server dropped the socket without a close frame"
-    return closed.value.rcvd.code, closed.value.rcvd.reason
 
 
 async def test_a_redis_outage_at_connect_leaks_no_slot(own_redis: OwnRedis) -> None:

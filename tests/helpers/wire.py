@@ -57,6 +57,16 @@ async def resume(
     return wire, fresh
 
 
+async def closed_with(ws: ClientConnection) -> tuple[int, str]:
+    """The close code and reason the server sent, reading past any events."""
+    try:
+        while True:
+            await asyncio.wait_for(ws.recv(), 10)
+    except ConnectionClosed as closed:
+        assert closed.rcvd is not None, "the server dropped the socket without a close frame"
+        return closed.rcvd.code, closed.rcvd.reason
+
+
 async def raw_client(url: str) -> ClientConnection:
     """A JSON client with a tiny receive buffer that reads only when told to."""
     sock = socket.socket()
