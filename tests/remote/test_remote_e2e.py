@@ -163,7 +163,8 @@ async def test_pause_and_resume_is_byte_identical(
     while await asyncio.to_thread(vllm_openai.running) > 0:
         assert time.monotonic() - t0 < 5.0, "the paused generation still runs on the server"
         await asyncio.sleep(0.02)
-    assert (await asyncio.to_thread(health, gateway))["paused_connections"] == 1
+    paused = (await asyncio.to_thread(health, gateway))["paused_connections"]
+    assert paused == 1, log_tail(LOG)
     text, seqs = "", []
     while True:
         event = json.loads(await ws.recv())

@@ -11,7 +11,7 @@ import pytest
 
 from tokenwire.client import connect
 
-from ..conftest import VllmServer
+from ..conftest import VllmServer, log_tail
 from ..helpers.wire import raw_client
 
 pytestmark = pytest.mark.vllm
@@ -51,7 +51,8 @@ async def test_pause_and_resume_keeps_greedy_text(vllm_server: VllmServer) -> No
     # The engine slot is free while the client is paused.
     load = (await asyncio.to_thread(vllm_server.wait_idle))["engine_load"]
     assert (load["running"], load["waiting"], load["unfinished"]) == (0, 0, 0)
-    assert (await asyncio.to_thread(vllm_server.health))["paused_connections"] == 1
+    paused = (await asyncio.to_thread(vllm_server.health))["paused_connections"]
+    assert paused == 1, log_tail(vllm_server.log_path)
     text, seqs = "", []
     while True:
         event = json.loads(await ws.recv())
