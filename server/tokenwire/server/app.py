@@ -417,6 +417,7 @@ class TokenwireServer:
             await self._server.wait_closed()
         for runtime in list(self.sessions.values()):
             await self.registry.end_session(runtime)
+        await self.registry.settle(2.0)  # a mark or an end: one Redis command each
         self.registry.reclaimer.cancel()
         if self.heartbeat is not None:
             self.heartbeat.stop()

@@ -195,6 +195,17 @@ class Registry:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def settle(self, timeout_s: float) -> None:
+        """Let the background writes finish before the store and engine close
+        under them (a let-go mark would otherwise fail and stay unwritten);
+        what still runs after `timeout_s` is cancelled."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._background and loop.time() < deadline:  # tasks may spawn tasks
+            await asyncio.wait(list(self._background), timeout=deadline - loop.time())
+        for task in list(self._background):
+            task.cancel()
+
     def arm_expiry(self, runtime: SessionRuntime) -> None:
         if runtime.expiry is not None:
             runtime.expiry.cancel()

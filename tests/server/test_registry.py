@@ -1,0 +1,44 @@
+"""The registry's background writes at shutdown: finished, or cut off."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tokenwire.config import ServerConfig
+from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.server.admission import Limiter
+from tokenwire.server.registry import Registry
+
+
+def registry() -> Registry:
+    return Registry(ScriptedEngine(), ServerConfig(engine="scripted"), Limiter(4, 0), None)
+
+
+async def test_settle_waits_for_background_writes_and_those_they_start() -> None:
+    reg, done = registry(), []
+
+    async def write(name: str, then: str | None = None) -> None:
+        await asyncio.sleep(0.05)
+        done.append(name)
+        if then is not None:
+            reg._spawn(write(then))
+
+    reg._spawn(write("mark", then="forget"))
+    await reg.settle(5.0)
+    assert done == ["mark", "forget"]
+
+
+async def test_settle_cancels_a_write_that_outlives_its_bound() -> None:
+    reg = registry()
+    started = asyncio.Event()
+
+    async def hung() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    reg._spawn(hung())
+    await started.wait()
+    (task,) = reg._background
+    await reg.settle(0.1)
+    await asyncio.sleep(0)
+    assert task.cancelled()
