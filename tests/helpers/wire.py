@@ -74,7 +74,10 @@ async def raw_client(url: str) -> ClientConnection:
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     sock.connect(("127.0.0.1", port))
     sock.setblocking(False)
-    return await ws_connect(url, sock=sock, max_queue=1, subprotocols=["tokenwire.v1.json"])
+    # No pings of its own: once it stops reading, it would see no pong and close.
+    return await ws_connect(
+        url, sock=sock, max_queue=1, ping_interval=None, subprotocols=["tokenwire.v1.json"]
+    )
 
 
 class Reader:

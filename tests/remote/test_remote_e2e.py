@@ -161,7 +161,7 @@ async def test_pause_and_resume_is_byte_identical(
     # Paused: the vLLM server holds nothing for it.
     t0 = time.monotonic()
     while await asyncio.to_thread(vllm_openai.running) > 0:
-        assert time.monotonic() - t0 < 5.0, "the paused generation still runs on the server"
+        assert time.monotonic() - t0 < 10.0, "the paused generation still runs on the server"
         await asyncio.sleep(0.02)
     paused = (await asyncio.to_thread(health, gateway))["paused_connections"]
     assert paused == 1, log_tail(LOG)

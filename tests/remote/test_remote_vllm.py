@@ -38,7 +38,7 @@ def story(rid: str, tokens: int, session_id: str | None = None) -> GenerationReq
     )
 
 
-async def server_idle_after(server: VllmOpenAI, since: float, timeout: float = 5.0) -> float:
+async def server_idle_after(server: VllmOpenAI, since: float, timeout: float = 10.0) -> float:
     """Seconds from `since` until the server runs and queues nothing."""
     deadline = time.monotonic() + timeout
     while await asyncio.to_thread(server.running) > 0:

@@ -31,6 +31,7 @@ from ..conftest import (
     _scripted_server,
     tls_scripted_server,
 )
+from ..helpers.wait import until
 
 KEY = "tw-test-key-0123456789"
 FLOORED = "tw-batch-key-0123456789"
@@ -260,7 +261,8 @@ async def test_a_secret_counts_against_its_minting_key() -> None:
                 running.url, additional_headers={"Authorization": f"Bearer {FLOORED}"}
             )
             assert other["type"] == "session.created"
-        await asyncio.sleep(0.05)
+        usages = running.server.admission.limiter.keys
+        await until(lambda: not any(u.connections for u in usages.values()), "the slots freed")
         async with ws_connect(
             running.url, additional_headers={"Authorization": f"Bearer {value}"}
         ) as ws:

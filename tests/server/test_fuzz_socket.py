@@ -323,8 +323,9 @@ async def assert_server_healthy(server: RunningServer) -> None:
 async def fuzz_beside(server: RunningServer, fuzz: Callable[[], Awaitable[Any]]) -> Healthy:
     async with healthy_beside(server) as healthy:
         await asyncio.wait_for(fuzz(), 60)
-    # Answers take ~10 ms; seconds would mean the fuzzer stalled the server.
-    assert healthy.longest_ask_s < 3, f"an answer beside the fuzzer took {healthy.longest_ask_s} s"
+    # Answers take ~10 ms; seconds would mean the fuzzer stalled the server
+    # (a busy machine adds a second or two at most).
+    assert healthy.longest_ask_s < 5, f"an answer beside the fuzzer took {healthy.longest_ask_s} s"
     await assert_server_healthy(server)
     return healthy
 
@@ -866,8 +867,8 @@ async def test_socket_tool_schema_pattern_cannot_stall_the_server(
 ) -> None:
     """A client's tool schema with a backtracking `pattern` must not block the
     event loop: the argument check runs inline, and `^(a+)+$` on 'aaa…b' is
-    exponential. Another session's stream must keep flowing (gap < 1 s)."""
-    n = 26  # ~2-5 s of backtracking here; each extra 'a' doubles it
+    exponential. Another session's stream must keep flowing (gap < 3 s)."""
+    n = 28  # ~8-20 s of backtracking here; each extra 'a' doubles it
     async with healthy_beside(scripted), await connect(scripted.url) as bad:
         try:
             await bad.update_session(
@@ -910,5 +911,5 @@ async def test_socket_tool_schema_pattern_cannot_stall_the_server(
         finally:
             tick.cancel()
         assert outcome in ("response.requires_action", "response.done")
-        assert max(gaps) < 1.0, f"the event loop was blocked for {max(gaps):.1f} s"
+        assert max(gaps) < 3.0, f"the event loop was blocked for {max(gaps):.1f} s"
         await asyncio.wait_for(response.cancel(), 5)

@@ -22,20 +22,20 @@ def lag_count(at_least_s: float) -> int:
 
 
 async def test_a_blocked_loop_is_measured_and_logged() -> None:
-    watch = LoopWatch(period_s=0.05, stalled_s=0.6)
+    watch = LoopWatch(period_s=0.05, stalled_s=1.5)  # a busy machine stalls less
     before = lag_count(0.25)
     with structlog.testing.capture_logs() as logs:
         watch.start()
         try:
             await asyncio.sleep(0.2)  # on time: measured, not logged
             assert watch.stalls == 0
-            time.sleep(0.8)  # what a blocking call does to every session
+            time.sleep(2.0)  # what a blocking call does to every session
             await asyncio.sleep(0.2)
         finally:
             watch.stop()
     assert watch.stalls == 1
     [stalled] = [e for e in logs if e["event"] == "event_loop_stalled"]
-    assert stalled["lag_s"] >= 0.7 and "blocking call" in stalled["hint"]
+    assert stalled["lag_s"] >= 1.9 and "blocking call" in stalled["hint"]
     assert lag_count(0.25) >= before + 1  # a busy machine may add a late tick
 
 

@@ -21,6 +21,7 @@ from tokenwire.server.admission import KeyStore, key_id
 from tokenwire.wire.close_codes import CLOSE_IDLE
 
 from ..conftest import _scripted_server, free_port, http_json, spawn_server
+from ..helpers.wait import until
 
 KEY = "tw-test-key-0123456789"
 OTHER = "tw-other-key-9876543210"
@@ -157,7 +158,8 @@ async def test_connections_per_key() -> None:
         async with await connect(running.url, api_key=OTHER) as other:  # another key is fine
             assert await other.ask("x") == "You said: x"
         await a.close()
-        await asyncio.sleep(0.1)
+        usages = running.server.admission.limiter.keys
+        await until(lambda: sum(u.connections for u in usages.values()) == 1, "a's slot freed")
         c = await connect(running.url, api_key=KEY)  # a slot came free
         await b.close()
         await c.close()
