@@ -80,7 +80,7 @@ _HELP = {
     "remote_timeout_s": "--engine remote: seconds a server may stay silent (queued before "
     "its first token, or mid-stream) before the stream counts as stalled",
     "remote_ttft_timeout_s": "--engine remote, several replicas: seconds to wait for a first "
-    "token before the request goes to the next replica (0: no limit)",
+    "token before the request goes to the next replica; the last one tried waits (0: no limit)",
     "remote_priority": "--engine remote: the servers schedule by priority "
     "(vllm serve --scheduling-policy priority), so request priorities matter",
     "allocator": "the process's memory allocator: auto (mimalloc if installed, which returns "

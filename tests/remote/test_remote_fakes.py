@@ -99,6 +99,8 @@ class Fake:
     generate_endpoint: bool = True
     structured_outputs: bool = True  # honours them, as vLLM 0.32 does
     healthy: bool = True  # what GET /health says
+    returns_ids: bool = True  # token ids with the text, as vLLM >= 0.10.2
+    tokenize_page: bytes | None = None  # what /tokenize answers instead of JSON
     bodies: list[dict] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
     health_checks: int = 0
@@ -133,6 +135,8 @@ class Fake:
             self.aborts.append((body, request.headers))
             return Reply(json={})
         if path == "/tokenize":
+            if self.tokenize_page is not None:
+                return Reply(200, content=self.tokenize_page)
             return Reply(json={"tokens": TEMPLATE.render(body["messages"])})
         if path == "/inference/v1/generate" and not self.generate_endpoint:
             return Reply(403)
@@ -140,9 +144,8 @@ class Fake:
             params = body.get("sampling_params", body)
             held = params.get("structured_outputs") and self.structured_outputs
             answer = params["structured_outputs"]["choice"][0][0] if held else "Rome"
-            return Reply(
-                json={"choices": [{"text": answer}], "usage": {"prompt_tokens_details": {}}}
-            )
+            choice = {"text": answer, **({"token_ids": [5]} if self.returns_ids else {})}
+            return Reply(json={"choices": [choice], "usage": {"prompt_tokens_details": {}}})
         self.bodies.append(body)
         self.headers.append(request.headers)
         return self.stream(body)
@@ -319,9 +322,82 @@ def test_chunks_and_errors_are_classified() -> None:
         {"choices": ["text"]},
         {"usage": {"prompt_tokens_details": 5}},
         {"choices": [{"token_ids": 7}]},
+        # Ids go back to a server on a resume or failover: only ints >= 0.
+        {"choices": [{"text": "x", "token_ids": "12"}]},
+        {"choices": [{"text": "x", "token_ids": {"a": 1}}]},
+        *({"choices": [{"text": "x", "token_ids": [bad]}]} for bad in (None, -3, 1.5, True)),
+        {"choices": [{"text": 5, "token_ids": [1]}]},
+        {"choices": [{"text": "x", "token_ids": [1], "finish_reason": 7}]},
+        *({"usage": {"prompt_tokens_details": {"cached_tokens": bad}}} for bad in ("lots", -5)),
     ):
         with pytest.raises(ReplicaFailed, match="malformed chunk"):
             parse_chunk(json.dumps(wrong), "http://x")
+    with pytest.raises(ReplicaFailed, match="not JSON"):
+        parse_chunk(b'{"choices": [{"text": "\xff", "token_ids": [1]}]}', "http://x")
+    # A missing endpoint, auth or routing is the server's fault: another replica may do.
+    for status in (401, 403, 404, 405, 421):
+        assert isinstance(error_for(status, '{"detail": "Not Found"}', "http://x"), ReplicaFailed)
+    for status in (400, 413, 422):
+        assert type(error_for(status, "", "http://x")) is RequestError
+
+
+@pytest.mark.parametrize("generate_endpoint", [True, False])
+async def test_a_server_that_returns_no_token_ids_is_refused_at_start(
+    generate_endpoint: bool,
+) -> None:
+    """Text without ids would repeat text on a failover or a resume."""
+    fake = Fake(lambda b: Reply(500), generate_endpoint=generate_endpoint, returns_ids=False)
+    with pytest.raises(EngineUnavailable, match="without its token ids"):
+        await started(fake)
+
+
+async def test_a_page_instead_of_json_at_start_is_named_not_a_traceback() -> None:
+    fake = Fake(lambda b: Reply(500), tokenize_page=b"<html>Bad gateway</html>")
+    with pytest.raises(EngineUnavailable, match=r"did not answer with a JSON object.*Bad gateway"):
+        await started(fake)
+
+
+async def test_a_missing_endpoint_fails_over() -> None:
+    """A replica restarted without --enable-scale-out answers 404 on the
+    endpoint found at startup: the next replica serves the request."""
+    a = Fake(lambda b: Reply(404, json={"detail": "Not Found"}))
+    b = Fake(lambda b: Reply(200, content=sse(token("B", 2, "stop"))))
+    engine = await started(a, b)
+    deltas = await run(engine, ask(session_id=None))
+    assert "".join(d.text for d in deltas) == "B" and not engine.replicas[0].up
+
+
+async def test_an_endless_line_or_error_body_is_cut_short_and_fails_over() -> None:
+    """Bytes with no end of line (a proxy's binary page, say), or an error
+    answer that never ends: read up to a bound, then the next replica."""
+
+    sent = [0]
+
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            yield b"x" * 65536
+            sent[0] += 65536
+            await asyncio.sleep(0)
+
+    for status in (200, 503):
+        sent[0] = 0
+        a = Fake(lambda b, status=status: Reply(status, content=endless()))
+        b = Fake(lambda b: Reply(200, content=sse(token("B", 2, "stop"))))
+        engine = await started(a, b)
+        deltas = await run(engine, ask(session_id=None))
+        assert "".join(d.text for d in deltas) == "B" and not engine.replicas[0].up
+        # What was read (4 MiB of a line, 64 KiB of an error) and what the
+        # sockets' buffers took before the gateway hung up.
+        assert sent[0] < 24 << 20, f"{sent[0] >> 20} MiB read for status {status}"
+
+
+async def test_nothing_after_the_finishing_chunk_is_passed_on() -> None:
+    a = Fake(lambda b: Reply(200, content=sse(token("A", 1, "stop"), token("B", 2), usage(0))))
+    engine = await started(a)
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "A"
+    assert [t for d in deltas for t in d.token_ids or ()] == [1]
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].cached_tokens == 0
 
 
 def test_sessions_keep_their_replica() -> None:
@@ -380,6 +456,25 @@ async def test_no_first_token_in_time_goes_to_the_next_replica() -> None:
     assert 1.0 <= time.monotonic() - t0 < 10.0  # not the 30 s the first replica holds it
     assert engine.replicas[0].failures == 1 and len(b.bodies) == 1
     assert b.bodies[0]["token_ids"] == a.bodies[0]["token_ids"]
+
+
+async def test_a_prompt_slow_everywhere_is_served_by_the_last_replica_tried() -> None:
+    """A first token later than the TTFT limit on every replica (a long
+    prefill): the last replica of the round waits for it, rather than the
+    request going round until every replica is marked down. Empty chunks
+    (`data: {}`) are no first token."""
+
+    async def slow() -> AsyncIterator[bytes]:
+        yield b"data: {}\n\n"
+        await asyncio.sleep(1.5)
+        yield sse(token("late", 9, "stop"))
+
+    a, b = Fake(lambda b: Reply(200, content=slow())), Fake(lambda b: Reply(200, content=slow()))
+    engine = await started(a, b, remote_ttft_timeout_s=1.0)
+    deltas = await run(engine, ask(session_id=None))
+    assert "".join(d.text for d in deltas) == "late"
+    assert (len(a.bodies), len(b.bodies)) == (1, 1)
+    assert not engine.replicas[0].up and engine.replicas[1].up
 
 
 async def test_one_replica_waits_for_its_first_token() -> None:

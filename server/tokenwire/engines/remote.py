@@ -42,6 +42,7 @@ from .remote_http import (
     ReplicaFailed,
     client_session,
     completions_body,
+    error_body,
     error_for,
     generate_body,
     parse_chunk,
@@ -240,7 +241,11 @@ class RemoteEngine:
             if attempt and plan.schema is not None and plan.produced:
                 break  # a grammar cannot restart mid-output on another server
             try:
-                async with aclosing(self._attempt(replica, request, plan, attempt)) as chunks:
+                # The last replica of the first round waits for its first token
+                # however long: a prompt slow to prefill is slow everywhere.
+                patient = attempt >= len(self.replicas) - 1
+                attempt_chunks = self._attempt(replica, request, plan, attempt, patient)
+                async with aclosing(attempt_chunks) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 replica.served()  # also brings back a down one, tried as a last resort
@@ -259,7 +264,12 @@ class RemoteEngine:
         raise EngineUnavailable("no replica could serve the request: " + "; ".join(failures))
 
     async def _attempt(
-        self, replica: Replica, request: GenerationRequest, plan: _Plan, attempt: int
+        self,
+        replica: Replica,
+        request: GenerationRequest,
+        plan: _Plan,
+        attempt: int,
+        patient: bool,
     ) -> AsyncIterator[Chunk]:
         import aiohttp
         from aiohttp.http_exceptions import LineTooLong
@@ -297,14 +307,15 @@ class RemoteEngine:
         sent_at = time.monotonic()
         # With somewhere else to go, a replica that gives no first token in
         # time loses the request to the next one (it may be overloaded).
-        ttft = self.config.remote_ttft_timeout_s if len(self.replicas) > 1 else 0.0
+        # Chunks with nothing in them (`data: {}`) do not count as one.
+        ttft = 0.0 if patient else self.config.remote_ttft_timeout_s
         try:
             async with asyncio.timeout(ttft or None) as clock:
                 async with self._client.post(
                     replica.url + path, json=body, headers=headers
                 ) as resp:
                     if resp.status != 200:
-                        text = (await resp.read()).decode(errors="replace")
+                        text = await error_body(resp)
                         raise error_for(resp.status, text, replica.url)
                     streaming = True
                     async for data in sse_data(resp.content):
@@ -313,6 +324,10 @@ class RemoteEngine:
                             if final is not None:
                                 final.cached_tokens = chunk.cached_tokens
                             continue
+                        if final is not None:
+                            continue  # past the end: nothing may follow the last token
+                        if not (chunk.text or chunk.token_ids or chunk.finish_reason):
+                            continue
                         if sent_at:
                             TTFT.labels(replica.url).observe(time.monotonic() - sent_at)
                             sent_at = 0.0
@@ -320,7 +335,7 @@ class RemoteEngine:
                         plan.produced.extend(chunk.token_ids)
                         if chunk.finish_reason is not None:
                             final = chunk  # held until the usage chunk that follows it
-                        elif chunk.text or chunk.token_ids:
+                        else:
                             yield chunk
         # Before TimeoutError: aiohttp's read timeout (a stalled stream) is one too.
         except (aiohttp.ClientError, LineTooLong, ReplicaFailed) as exc:

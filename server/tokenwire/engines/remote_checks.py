@@ -48,6 +48,17 @@ class Answer:
     def json(self) -> Any:
         return json.loads(self.body)
 
+    def payload(self, url: str) -> dict[str, Any]:
+        """The JSON object a vLLM server answers; anything else (a proxy's
+        HTML page, say) makes the start fail with a message, not a traceback."""
+        try:
+            payload = self.json()
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
+            raise EngineUnavailable(f"{url} did not answer with a JSON object: {self.text[:300]!r}")
+        return payload
+
 
 async def call(
     client: aiohttp.ClientSession, replica: Replica, method: str, path: str, **kw: Any
@@ -90,7 +101,7 @@ async def check_rendering(
     )
     if resp.status_code != 200:
         raise EngineUnavailable(f"{replica.url}/tokenize answered {resp.status_code}")
-    theirs = list(resp.json().get("tokens") or [])
+    theirs = resp.payload(f"{replica.url}/tokenize").get("tokens") or []
     if theirs != ours:
         raise EngineUnavailable(
             f"{replica.url} renders the chat template differently from tokenwire; "
@@ -125,7 +136,7 @@ async def probe_endpoint(
             replica,
             "POST",
             COMPLETIONS_PATH,
-            json={"model": replica.model, "prompt": ids, **params},
+            json={"model": replica.model, "prompt": ids, "return_token_ids": True, **params},
         )
     else:
         replica.generate_endpoint = True
@@ -133,8 +144,18 @@ async def probe_endpoint(
         raise EngineUnavailable(
             f"{replica.url} failed a 1-token test request ({resp.status_code}): {resp.text[:300]}"
         )
-    answer = resp.json()
-    usage = answer.get("usage") or {}
+    answer = resp.payload(replica.url)
+    choice = (answer.get("choices") or [{}])[0]
+    choice = choice if isinstance(choice, dict) else {}
+    ids_back = choice.get("token_ids")
+    if not (isinstance(ids_back, list) and ids_back and all(type(i) is int for i in ids_back)):
+        raise EngineUnavailable(
+            f"{replica.url} answered a 1-token test request without its token ids; "
+            "tokenwire needs them to resume and fail over exactly. Use a vLLM "
+            "that returns them (`return_token_ids`, vLLM 0.10.2 or later)"
+        )
+    usage = answer.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
     replica.reports_cached = usage.get("prompt_tokens_details") is not None
     if not replica.reports_cached:
         log.warning(
@@ -143,7 +164,8 @@ async def probe_endpoint(
             hint="usage will lack cached_tokens; start vllm serve with "
             "--enable-prompt-tokens-details",
         )
-    text = ((answer.get("choices") or [{}])[0] or {}).get("text") or ""
+    text = choice.get("text")
+    text = text if isinstance(text, str) else ""
     if not (text and PROBE_CHOICE.startswith(text)):
         log.warning(
             "remote_structured_outputs_ignored",

@@ -15,6 +15,8 @@ after the finishing one.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -35,8 +37,13 @@ GENERATE_ID_PREFIX = "generate-tokens-"
 CONNECT_TIMEOUT_S = 5.0
 KEEPALIVE_S = 4.0  # below the 5 s uvicorn (vLLM's server) keeps an idle connection
 # A longer SSE line is garbage. Below it, a whole answer in one chunk (a high
-# stream_interval) passes aiohttp's default line limit of 512 KiB.
-MAX_LINE = 64 * 2**20
+# stream_interval) passes aiohttp's default line limit of 512 KiB. Not more:
+# aiohttp joins a line's pieces by copying, so its CPU grows with the square
+# of its length (measured: 64 MiB took 39 s of the loop, 4 MiB about 0.1 s).
+MAX_LINE = 4 * 2**20
+# What of an error answer is read: its message, not an endless or trickled body.
+MAX_ERROR_BODY = 64 * 1024
+ERROR_BODY_S = 5.0
 _decode = msgspec.json.Decoder().decode
 
 
@@ -156,7 +163,7 @@ def parse_chunk(data: bytes | str, url: str, model: str = "") -> Chunk:
     output (a misrouted request) fails the attempt."""
     try:
         payload = _decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         raise ReplicaFailed(f"{url} sent a chunk that is not JSON: {data[:200]!r}") from None
     if not isinstance(payload, dict):
         raise ReplicaFailed(f"{url} sent an unexpected chunk: {data[:200]!r}")
@@ -172,18 +179,45 @@ def parse_chunk(data: bytes | str, url: str, model: str = "") -> Chunk:
         if usage and not choices:
             chunk.usage = True
             details = usage.get("prompt_tokens_details") or {}
-            chunk.cached_tokens = details.get("cached_tokens")
+            cached = details.get("cached_tokens")
+            chunk.cached_tokens = None if cached is None else _count(cached)
             return chunk
         if not choices:
             return chunk
         choice = choices[0]
         chunk.text = choice.get("text") or ""
-        chunk.token_ids = tuple(choice.get("token_ids") or ())
+        ids = choice.get("token_ids") or []
+        # Resumes and failovers send these ids back: a wrong one must fail here.
+        if not isinstance(chunk.text, str) or not isinstance(ids, list):
+            raise TypeError
+        chunk.token_ids = tuple(_count(i) for i in ids)
         chunk.finish_reason = choice.get("finish_reason")
+        if not isinstance(chunk.finish_reason, str | None):
+            raise TypeError
         return chunk
     except (ValueError, TypeError, AttributeError, KeyError, IndexError):
         # A chunk of the wrong shape is garbage too: try another replica.
         raise ReplicaFailed(f"{url} sent a malformed chunk: {data[:200]!r}") from None
+
+
+async def error_body(resp: aiohttp.ClientResponse) -> str:
+    """The start of an error answer: what came of its first 64 KiB within 5 s."""
+    body = bytearray()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(ERROR_BODY_S):
+            while len(body) < MAX_ERROR_BODY:
+                piece = await resp.content.read(MAX_ERROR_BODY - len(body))
+                if not piece:
+                    break
+                body += piece
+    return body.decode(errors="replace")
+
+
+def _count(value: object) -> int:
+    """A token id or a count: an int >= 0, not a bool."""
+    if type(value) is int and value >= 0:
+        return value
+    raise ValueError
 
 
 async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
@@ -215,7 +249,9 @@ def message_of(body: str) -> str:
 def error_for(status: int, body: str, url: str) -> EngineError:
     """An HTTP error: the server's fault (another replica may do) or the request's."""
     message = message_of(body)
-    if status >= 500 or status in (408, 429):
+    # Missing endpoint, auth or routing (a replica restarted without
+    # --enable-scale-out, a proxy in front): this server's fault, not the request's.
+    if status >= 500 or status in (401, 403, 404, 405, 408, 421, 429):
         return ReplicaFailed(f"{url} answered {status}: {message}")
     lowered = message.lower()
     if "context length" in lowered or "max_model_len" in lowered or "too long" in lowered:
