@@ -318,7 +318,8 @@ class RemoteEngine:
                         text = await error_body(resp)
                         raise error_for(resp.status, text, replica.url)
                     streaming = True
-                    async for data in sse_data(resp.content):
+                    silent_s = self.config.remote_timeout_s
+                    async for data in sse_data(resp.content, replica.url, silent_s):
                         chunk = parse_chunk(data, replica.url, replica.model)
                         if chunk.usage:
                             if final is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -220,11 +221,20 @@ def _count(value: object) -> int:
     raise ValueError
 
 
-async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE stream, up to `[DONE]`."""
+async def sse_data(
+    content: aiohttp.StreamReader, url: str, silent_s: float
+) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an SSE stream, up to `[DONE]`. Keep-alive
+    comments reset the read timeout but are no data: a stream of nothing
+    else for `silent_s` fails like a silent one."""
+    last = time.monotonic()
     while line := await content.readline(max_line_length=MAX_LINE):
         if not line.startswith(b"data:"):
-            continue  # blank separators, comments, keep-alives
+            # Blank separators, comments, keep-alives: a clock read, not one per token.
+            if silent_s and time.monotonic() - last > silent_s:
+                raise ReplicaFailed(f"{url} sent no data for {silent_s:g} s, only keep-alives")
+            continue
+        last = time.monotonic()
         data = line[5:].strip()
         if data == b"[DONE]":
             return
