@@ -33,15 +33,14 @@ ARTIFACTS = ROOT / "test-artifacts"
 # which adds about 80 s to every start here for no decode gain measured.
 VLLM_ENGINE_FLAGS = ["--", "--enforce-eager"]
 
-# The paused client reads nothing, pongs included, while a busy machine
+# A client that stops reading answers no ping either, while a busy machine
 # generates: neither keepalive (1011, 20 s after a ping) nor the slow-client
 # close (4008, 30 s) may end it before the test reads again. Both have their
 # own tests with the scripted engine.
+STALLED_CLIENT_FLAGS = ["--ping-interval-s", "0", "--slow-client-timeout-s", "300"]
+
 VLLM_BACKPRESSURE_FLAGS = [
-    "--ping-interval-s",
-    "0",
-    "--slow-client-timeout-s",
-    "300",
+    *STALLED_CLIENT_FLAGS,
     "--sndbuf",
     "4608",
     "--outbound-high-water",

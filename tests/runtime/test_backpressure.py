@@ -22,7 +22,7 @@ from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.server import TokenwireServer
 from tokenwire.wire.close_codes import CLOSE_SLOW_CLIENT
 
-from ..conftest import RedisServer, http_json, rss_kib, spawn_server
+from ..conftest import STALLED_CLIENT_FLAGS, RedisServer, http_json, rss_kib, spawn_server
 from ..helpers.wait import until
 from ..helpers.wire import expected, raw_client
 
@@ -242,11 +242,7 @@ async def test_memory_bound_with_many_stalled_clients() -> None:
         "4096",
         "--log-level",
         "warning",
-        # Stalled clients answer no ping: only the pause may act on them here.
-        "--ping-interval-s",
-        "0",
-        "--slow-client-timeout-s",
-        "300",
+        *STALLED_CLIENT_FLAGS,  # only the pause may act on them here
     ]
     clients: list[ClientConnection] = []
     with spawn_server("--engine", "scripted", *flags) as srv:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..logs import get_logger
 from .base import EngineUnavailable
 from .chat_template import ChatTemplate
-from .remote_http import COMPLETIONS_PATH, GENERATE_PATH
+from .remote_http import COMPLETIONS_PATH, GENERATE_PATH, parse_chunk
 from .replicas import Replica
 
 if TYPE_CHECKING:
@@ -145,10 +145,9 @@ async def probe_endpoint(
             f"{replica.url} failed a 1-token test request ({resp.status_code}): {resp.text[:300]}"
         )
     answer = resp.payload(replica.url)
-    choice = (answer.get("choices") or [{}])[0]
-    choice = choice if isinstance(choice, dict) else {}
-    ids_back = choice.get("token_ids")
-    if not (isinstance(ids_back, list) and ids_back and all(type(i) is int for i in ids_back)):
+    # The streamed chunks' parser reads the whole answer's choice the same way.
+    choice = parse_chunk(resp.body, replica.url)
+    if not choice.token_ids:
         raise EngineUnavailable(
             f"{replica.url} answered a 1-token test request without its token ids; "
             "tokenwire needs them to resume and fail over exactly. Use a vLLM "
@@ -164,8 +163,7 @@ async def probe_endpoint(
             hint="usage will lack cached_tokens; start vllm serve with "
             "--enable-prompt-tokens-details",
         )
-    text = choice.get("text")
-    text = text if isinstance(text, str) else ""
+    text = choice.text
     if not (text and PROBE_CHOICE.startswith(text)):
         log.warning(
             "remote_structured_outputs_ignored",
