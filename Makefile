@@ -88,8 +88,10 @@ test: install-test model client_js/node_modules/.installed
 # Everything but the real-engine tests: a few minutes.
 test-fast: install-test client_js/node_modules/.installed
 	$(BIN)/python -m pytest -q -m "not vllm" --ignore=tests/engines/test_models.py
+	cd client_js && node --test
 
-lint: install-test
+# ruff comes with the test extras; no system packages needed.
+lint: $(VENV)/.installed-test
 	$(BIN)/ruff check server tests benchmarks
 	$(BIN)/ruff format --check server tests benchmarks
 
