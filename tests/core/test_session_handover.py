@@ -312,6 +312,32 @@ def test_an_openai_input_response_keeps_its_context_and_writes_the_conversation(
     assert [i["content"] for i in r.items] == ["history", "Hello", "pub"]
 
 
+def test_an_openai_out_of_band_response_keeps_the_conversation_it_read() -> None:
+    """conversation "none" without `input` (OpenAI): the prompt is the
+    conversation as it was; after a restore it still is, the items shared
+    with the conversation, and its output goes to neither."""
+    s = Session(tool_flow=ToolFlow.CLIENT)
+    s.events_to_send()
+    drive(s, {"type": "conversation.item.create", "item": {**USER, "content": "history"}})
+    drive(s, {"type": "response.create", "response": {"conversation": "none"}})
+    (gen,) = s.actions_to_perform()
+    s.receive_engine_output(gen.request.request_id, EngineDelta("Top", 1, None, 5, 0))
+    drive(s, {"type": "conversation.item.create", "item": {**USER, "content": "later"}})
+    r = Session.restore(over_the_wire(s), tool_flow=ToolFlow.CLIENT)
+    for session in (s, r):
+        (resp,) = session.active_responses
+        assert [i["content"] for i in resp.context] == ["history", "Top"]
+        assert resp.context[0] is session.items[0]
+        assert [i["content"] for i in session.items] == ["history", "later"]
+    assert r.resume() == [resp.id]
+    (cont,) = r.actions_to_perform()
+    assert gen.request.messages == [{"role": "user", "content": "history"}]
+    assert cont.request.messages[0] == gen.request.messages[0]
+    r.receive_engine_output(cont.request.request_id, EngineDelta("ic", 1, "stop"))
+    assert r.events_to_send()[-1]["response"]["output"][0]["content"] == "Topic"
+    assert [i["content"] for i in r.items] == ["history", "later"]
+
+
 def test_a_restored_session_keeps_the_rules_of_the_dialect_it_began_with() -> None:
     """Resumed on a socket of any dialect, an OpenAI session reads "root" as
     the conversation's start, as it did."""

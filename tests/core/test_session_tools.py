@@ -10,7 +10,7 @@ import pytest
 from tokenwire.core.conversation import render_messages
 from tokenwire.core.events import AbortGeneration, CancelTimer, StartGeneration, StartTimer
 from tokenwire.core.session import Session
-from tokenwire.engines.base import ContextLengthExceeded, EngineDelta
+from tokenwire.engines.base import ContextLengthExceeded, EngineDelta, ToolCallDelta
 
 from ..helpers.session import begin, call, codes, drive, output, types
 from ..helpers.tools import TIME, WEATHER
@@ -69,6 +69,51 @@ def test_parallel_calls_wait_then_continue_in_any_order(session: Session) -> Non
     assert done["id"] == action.response_id and done["status"] == "completed"
     assert [o["type"] for o in done["output"]] == ["function_call", "function_call", "message"]
     assert types(events).count("response.done") == 1
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_parallel_tool_calls_false_stops_at_a_second_call(session: Session, choice: str) -> None:
+    """The engine forces one call only for "required"; with "auto" the model
+    may start a second: the generation stops there, the first call is its
+    result, and the second never reaches the client or the history."""
+    action = begin(session, tool_choice=choice, parallel_tool_calls=False)
+    rq = action.request.request_id
+    call(session, rq, 0, "get_weather", '{"city": "Paris"}')
+    session.actions_to_perform()
+    events = call(session, rq, 1, "get_time", "{}")
+    assert types(events) == ["response.function_call_arguments.done", "response.requires_action"]
+    assert events[0]["name"] == "get_weather"
+    assert events[1]["call_ids"] == [events[0]["call_id"]]
+    abort, timer = session.actions_to_perform()
+    assert isinstance(abort, AbortGeneration) and abort.request_id == rq
+    assert isinstance(timer, StartTimer)
+    assert [i.get("name") for i in session.items[1:]] == ["get_weather"]
+    # Late outputs of the aborted request change nothing.
+    assert call(session, rq, 1, None, "more", finish="stop") == []
+    output(session, events[0]["call_id"], "sunny")
+    (_, cont) = session.actions_to_perform()
+    assert len(cont.request.messages[1]["tool_calls"]) == 1
+
+
+def test_a_second_call_in_the_finishing_delta_aborts_nothing(session: Session) -> None:
+    action = begin(session, parallel_tool_calls=False)
+    rq = action.request.request_id
+    chunks = [
+        ToolCallDelta(0, "get_weather", '{"city": "Oslo"}'),
+        ToolCallDelta(1, "get_time", "{}"),
+    ]
+    session.receive_engine_output(rq, EngineDelta("", 2, "stop", tool_calls=chunks))
+    events = session.events_to_send()
+    assert [e["name"] for e in events if e["type"].endswith("arguments.done")] == ["get_weather"]
+    assert not [a for a in session.actions_to_perform() if isinstance(a, AbortGeneration)]
+
+
+def test_parallel_tool_calls_true_lets_auto_make_several(session: Session) -> None:
+    action = begin(session)
+    rq = action.request.request_id
+    call(session, rq, 0, "get_weather", '{"city": "Paris"}')
+    call(session, rq, 1, "get_time", "{}", finish="stop")
+    assert [i.get("name") for i in session.items[1:]] == ["get_weather", "get_time"]
 
 
 def test_auto_choice_stays_auto_after_outputs(session: Session) -> None:

@@ -27,6 +27,7 @@ class GAHarness:
         self.seq = 0
         self.frames: list[dict[str, Any]] = []
         self.request_id: str | None = None
+        self.request: Any = None  # the last GenerationRequest started
 
     def send(self, event: BaseModel | dict[str, Any]) -> None:
         obj = event.model_dump(exclude_none=True) if isinstance(event, BaseModel) else event
@@ -46,7 +47,7 @@ class GAHarness:
     def _actions(self) -> None:
         for action in self.session.actions_to_perform():
             if hasattr(action, "request"):
-                self.request_id = action.request.request_id
+                self.request, self.request_id = action.request, action.request.request_id
 
     def take(self) -> list[dict[str, Any]]:
         out = []

@@ -180,6 +180,15 @@ def test_a_call_that_fails_its_schema_is_closed(h: GAHarness) -> None:
     ]
     check_closed_call(frames, "{}", "failed")
     assert "conversation.item.done" in types(frames)  # it stays in the conversation
+    # Its output is refused, and the refusal says why (not "no such call").
+    call_id = next(f for f in frames if f["type"] == ARGS_DONE)["call_id"]
+    output = {"type": "function_call_output", "call_id": call_id, "output": "sunny"}
+    h.send(create(output))
+    (error,) = h.take()
+    assert "failed its argument check" in error["error"]["message"]
+    h.send(create({**output, "call_id": "call_other"}))
+    (error,) = h.take()
+    assert "no function call 'call_other'" in error["error"]["message"]
 
 
 # -- response.cancel without response_id -----------------------------------------
@@ -291,6 +300,28 @@ def test_input_with_conversation_auto_is_the_prompt_and_is_not_added(h: GAHarnes
     assert types(h.take()) == ["error"]  # the input is the response's alone
     h.send({"type": "response.create"})  # the next default response sees the conversation
     assert prompt(h) == [("user", "history"), ("assistant", "Hello")]
+
+
+def test_out_of_band_without_input_reads_the_conversation(h: GAHarness) -> None:
+    """Only `input` gives a response a context of its own: without it an
+    out-of-band response (classify, summarise) reads the conversation as it
+    is, and its output stays out of it."""
+    h.send({"type": "session.update", "session": {"type": "realtime", "instructions": "Be"}})
+    h.send(create(message("history", id="h1")))
+    h.take()
+    frames = respond(h, conversation="none")
+    assert types(frames) == ["response.created"]
+    assert frames[0]["response"]["conversation_id"] is None
+    assert prompt(h) == [("system", "Be"), ("user", "history")]
+    h.send(create(message("later", id="h2")))  # after it began: not in its prompt
+    h.engine(EngineDelta("Topic: weather", 1, "stop", 5, 0))
+    frames = h.take()
+    assert frames[-1]["response"]["status"] == "completed"
+    added = [f["item"]["id"] for f in frames if f["type"] == "conversation.item.added"]
+    assert added == ["h2"]  # the client's; none for the response's output
+    assert ids(h) == ["h1", "h2"]
+    h.send({"type": "response.create"})
+    assert prompt(h) == [("system", "Be"), ("user", "history"), ("user", "later")]
 
 
 def test_an_empty_input_clears_the_context(h: GAHarness) -> None:

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from tokenwire.core.errors import ErrorCode, ProtocolError, error_event
 from tokenwire.core.schema import parse_client_event
 from tokenwire.core.session import Session
-from tokenwire.engines.base import EngineDelta, ToolCallDelta
+from tokenwire.engines.base import ContextLengthExceeded, EngineDelta, ToolCallDelta
 from tokenwire.wire.codec import encode_json
 from tokenwire.wire.openai_errors import GACode, OpenAIProtocolError, ga_error, ga_param
 from tokenwire.wire.openai_realtime import OpenAIRealtime, OpenAIRealtimeFamily
@@ -241,6 +241,17 @@ def test_a_failed_response_carries_a_ga_error(h: Harness) -> None:
     assert done["status_details"]["error"]["type"] == "server_error"
     item_done = next(f for f in frames if f["type"] == "response.output_item.done")
     assert item_done["item"]["status"] == "incomplete"
+
+
+def test_a_response_failed_by_the_client_input_says_so_as_its_error_does(h: Harness) -> None:
+    """response.done's error has the type of the `error` event before it."""
+    h.send(ResponseCreateEvent(type="response.create"))
+    h.session.receive_engine_error(h.request_id, ContextLengthExceeded("the prompt is too long"))
+    frames = h.take()
+    error = next(f for f in frames if f["type"] == "error")["error"]
+    done = frames[-1]["response"]
+    assert done["status"] == "failed"
+    assert error["type"] == done["status_details"]["error"]["type"] == "invalid_request_error"
 
 
 def test_core_errors_get_ga_codes_and_param_paths(h: Harness) -> None:

@@ -47,6 +47,15 @@ SERVER_SIDE = frozenset(
 )
 
 
+def error_type(code: str) -> str:
+    """`server_error` for the server's (or the model's) fault, else
+    `invalid_request_error`; an unknown code is the server's."""
+    known = code in ErrorCode.__members__.values()
+    return (
+        "server_error" if not known or ErrorCode(code) in SERVER_SIDE else "invalid_request_error"
+    )
+
+
 class ProtocolError(Exception):
     """A client mistake, reported as an `error` event; the connection stays open."""
 
@@ -77,7 +86,7 @@ def error_event(
 ) -> dict[str, Any]:
     """The `error` server event."""
     error: dict[str, Any] = {
-        "type": "server_error" if code in SERVER_SIDE else "invalid_request_error",
+        "type": error_type(code),
         "code": str(code),
         "message": message,
     }

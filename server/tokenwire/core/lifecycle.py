@@ -67,9 +67,18 @@ def _awaited_call(
     that is active, the response; else why the output is refused."""
     known = lifecycle.calls.get(call_id)
     if known is None:
+        # A call the model made that failed its argument check is in the
+        # history (and, in the OpenAI dialect, got its arguments.done).
+        failed = any(
+            it.get("call_id") == call_id and it["type"] == "function_call"
+            for it in lifecycle.conversation.by_id.values()
+        )
         raise ProtocolError(
             ErrorCode.UNKNOWN_CALL_ID,
-            f"no function call {call_id!r} in this session",
+            f"call {call_id!r} failed its argument check (invalid_tool_arguments), so it "
+            "takes no output; its response ended failed: send response.create to go on"
+            if failed
+            else f"no function call {call_id!r} in this session",
             event_id=event_id,
             param="item.call_id",
         )
@@ -169,15 +178,28 @@ class Lifecycle:
                     "delta": text,
                 }
             )
-        if calls:
-            self._call_chunks(resp, calls)
-        if delta.finish_reason is not None:
+        finish = delta.finish_reason
+        if calls and self._call_chunks(resp, calls):
+            # A second call with parallel_tool_calls false: the first is the result.
+            if finish is None:
+                self.abort_current(resp)
+            finish = "stop"
+        if finish is not None:
             self._requests.pop(request_id, None)
             resp.request_id = None
-            self._end_generation(resp, delta.finish_reason)
+            self._end_generation(resp, finish)
 
-    def _call_chunks(self, resp: Response, chunks: list[ToolCallDelta]) -> None:
+    def _call_chunks(self, resp: Response, chunks: list[ToolCallDelta]) -> bool:
+        """True at a second call with `parallel_tool_calls` false, which is
+        not taken: the generation ends (the engine can force one call only
+        for tool_choice "required")."""
         for chunk in chunks:
+            if (
+                not resp.params["parallel_tool_calls"]
+                and resp.calls
+                and chunk.index not in resp.calls
+            ):
+                return True
             item = resp.append_call_chunk(
                 self.conversation, chunk.index, chunk.name, chunk.arguments
             )
@@ -191,6 +213,7 @@ class Lifecycle:
                     "delta": chunk.arguments,
                 }
             )
+        return False
 
     def receive_engine_error(self, request_id: str, exc: EngineError) -> None:
         resp = self._response_for(request_id)

@@ -368,17 +368,22 @@ class Session:
             self.limits.min_priority, given.get("priority"), event_id, "response.priority"
         )
         # OpenAI's `input` (`[]` too) is the prompt instead of the conversation,
-        # even with "auto"; tokenwire v1 appends it to the conversation (§4).
+        # even with "auto", and without it an out-of-band response reads the
+        # conversation as it is now. tokenwire v1 appends `input` to the
+        # conversation, and a "none" response's prompt is its `input` (§4).
         own = not in_conversation or (self._openai and rp.input is not None)
         calls = self.lifecycle.calls if self._openai else None
         inputs = conv.response_inputs(rp.input, event_id, calls) if rp.input else []
+        context = inputs if own else conv.items
+        if self._openai and own and rp.input is None:
+            context = list(conv.items)
         resp = Response(
             id=new_id("resp"),
             event_id=event_id,
             in_conversation=in_conversation,
             params=params,
             metadata=rp.metadata,
-            context=inputs if own else conv.items,
+            context=context,
             created_at=self.clock(),
             tool_choice=params["tool_choice"],
         )

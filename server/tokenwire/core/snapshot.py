@@ -119,8 +119,9 @@ def _restore_response(
     conv = session.conversation
     context = conv.items
     if rs.get("own_context", not rs["in_conversation"]):
-        # Conversation items (an OpenAI `input` response's output) by id: the same objects.
-        shared = {it["id"]: it for it in conv.items} if rs["in_conversation"] else {}
+        # Conversation items by id, the same objects: an OpenAI `input`
+        # response's output, or the conversation an OpenAI "none" one read.
+        shared = {it["id"]: it for it in conv.items}
         context = [shared[it] if isinstance(it, str) else it for it in rs["context"]]
         for item in rs["context"]:
             if isinstance(item, dict) and (private_ids is None or item["id"] in private_ids):

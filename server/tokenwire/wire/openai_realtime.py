@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import events as ev
-from ..core.errors import ProtocolError
+from ..core.errors import ProtocolError, error_type
 from ..core.schema import event_id_of
 from .codec import decode_frame, encode_json
 from .dialect import ToolFlow
@@ -130,7 +130,8 @@ def ga_status_details(details: dict[str, Any] | None) -> dict[str, Any] | None:
         out["reason"] = _REASONS[details["reason"]]
     if isinstance(details.get("error"), dict):
         error = details["error"]
-        error = ga_error({**error, "type": error.get("type", "server_error")})
+        # The same type as the `error` event that came before it.
+        error = ga_error({**error, "type": error_type(str(error.get("code")))})
         out["error"] = {k: error[k] for k in ("type", "code", "message")}
     return out
 
