@@ -321,6 +321,8 @@ export function subprotocols(protocol: WireProtocol, opts?: { apiKey?: string; k
 
 /** Length in code points, the unit of `text_end`. */
 export function codePointLength(text: string): number;
+/** `value` with every lone UTF-16 surrogate replaced by U+FFFD (what the client sends). */
+export function wellFormed<T>(value: T): T;
 
 export const DEFAULT_RECONNECT: Readonly<Required<Omit<ReconnectOptions, "random">>>;
 export const DEFAULT_BACKPRESSURE: Readonly<Required<BackpressureOptions>>;

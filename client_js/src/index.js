@@ -37,6 +37,9 @@ export const DEFAULT_BACKPRESSURE = Object.freeze({
 
 const OPEN = 1;
 const TERMINAL = "response.done";
+// Closes after which reconnecting is wrong: 4000, the server ended an idle
+// session (a new one would only idle again).
+const FINAL_CLOSES = new Set([4000]);
 const IS_NODE = typeof process !== "undefined" && !!process.versions?.node && typeof window === "undefined";
 
 /** An `error` event from the server (or a client-side failure), with a stable `code`. */
@@ -296,6 +299,7 @@ export class Response {
     switch (ev.type) {
       case "response.output_text.delta":
         this._items.set(ev.item_id, (this._items.get(ev.item_id) ?? "") + ev.delta);
+        if (this._status === "requires_action") this._status = "in_progress"; // the tool round's continuation
         break;
       case "response.output_text.done":
         this._items.set(ev.item_id, ev.text);
@@ -349,7 +353,8 @@ export class Session {
       options.reconnect === false ? null : { ...DEFAULT_RECONNECT, ...(options.reconnect === true ? {} : options.reconnect) };
     this.backpressure = { ...DEFAULT_BACKPRESSURE, ...options.backpressure };
     /** Tool name -> async (args, call) => result. Results that are not strings are JSON-encoded. */
-    this.tools = { ...options.tools };
+    // No prototype: a tool named "toString" or "constructor" has no handler unless given one.
+    this.tools = Object.assign(Object.create(null), options.tools);
     /** @type {object|null} the session object from session.created / session.updated */
     this.session = null;
     /** @type {string|null} */
@@ -530,6 +535,7 @@ export class Session {
   // -- sending: ordered, with upstream backpressure ------------------------------
 
   _encode(event) {
+    event = wellFormed(event);
     if (this.subprotocol === SUBPROTOCOL_MSGPACK) return msgpack.encode(event, { ignoreUndefined: true });
     return JSON.stringify(event);
   }
@@ -647,7 +653,6 @@ export class Session {
         this._emit("decodeerror", err);
         return;
       }
-      this._attempt = 0; // this connection works: the next drop starts the backoff over
       this._dispatch(event);
     };
     ws.onerror = () => {}; // a close event always follows
@@ -666,7 +671,7 @@ export class Session {
       this._finalClose(err, info);
       return;
     }
-    if (this._closing || !this.reconnectOptions || !this.id) {
+    if (this._closing || !this.reconnectOptions || !this.id || FINAL_CLOSES.has(ev.code)) {
       this._finalClose(clientError("connection_closed", `the connection closed (${ev.code}${ev.reason ? `: ${ev.reason}` : ""})`), info);
       return;
     }
@@ -739,6 +744,7 @@ export class Session {
       }
       if (type === "session.resumed") {
         this._resume = null;
+        this._attempt = 0; // this connection works: the next drop starts the backoff over
         this._resendUntaken(event.client_events ?? 0);
       }
     }
@@ -825,6 +831,10 @@ export class Session {
     const oldId = this.id;
     const fresh = this._resume.newSession;
     this._resume = null;
+    this._attempt = 0;
+    // Calls made while reconnecting were meant for the old session: they fail
+    // too, and are not sent to the new one.
+    for (const entry of this._sendQueue.splice(0)) settle(entry.d, false, err);
     for (const [id, d] of this._pending) {
       if (id !== errorEvent.error.event_id) settle(d, false, err);
     }
@@ -856,12 +866,49 @@ export class Session {
     } catch (err) {
       output = JSON.stringify({ error: `${err?.name ?? "Error"}: ${err?.message ?? err}` });
     }
+    if (!this._responses.has(event.response_id)) {
+      // The response ended meanwhile (tool_timeout, cancel): an output now
+      // would only land in the history as a stale result.
+      const err = clientError("response_ended", `response ${event.response_id} ended before ${event.name} returned; its output was not sent`);
+      this._emit("toolerror", { call: event, error: err });
+      return;
+    }
     try {
       await this.submitToolOutput(event.call_id, output);
     } catch (err) {
       this._emit("toolerror", { call: event, error: err });
     }
   }
+}
+
+const LONE_SURROGATE_SOURCE = "[\\ud800-\\udbff](?![\\udc00-\\udfff])|(?<![\\ud800-\\udbff])[\\udc00-\\udfff]";
+const LONE_SURROGATE = new RegExp(LONE_SURROGATE_SOURCE);
+const LONE_SURROGATES = new RegExp(LONE_SURROGATE_SOURCE, "g");
+
+/**
+ * `value` with every lone UTF-16 surrogate (text cut in the middle of an
+ * emoji, e.g. by `slice`) replaced by U+FFFD, as a browser's WebSocket does
+ * for a text frame: the server refuses them with an error no call can be
+ * matched to. Returns `value` itself when there is none.
+ */
+export function wellFormed(value) {
+  if (typeof value === "string") {
+    if (value.isWellFormed ? value.isWellFormed() : !LONE_SURROGATE.test(value)) return value;
+    return value.toWellFormed ? value.toWellFormed() : value.replace(LONE_SURROGATES, "\ufffd");
+  }
+  if (Array.isArray(value)) {
+    const out = value.map(wellFormed);
+    return out.some((v, i) => v !== value[i]) ? out : value;
+  }
+  if (value && typeof value === "object" && !(value instanceof Uint8Array)) {
+    let out = null;
+    for (const [k, v] of Object.entries(value)) {
+      const w = wellFormed(v);
+      if (w !== v) (out ??= { ...value })[k] = w;
+    }
+    return out ?? value;
+  }
+  return value;
 }
 
 function utf8Length(text) {

@@ -327,3 +327,105 @@ describe("upstream backpressure", () => {
     await session.close();
   });
 });
+
+describe("edges a user meets (from an audit)", () => {
+  /** response.create answered by response.created resp_1 on `sock`; seq 2. */
+  async function started(session, sock, params = {}) {
+    const r = session.createResponse(params);
+    await until(() => sock.sent.length >= 1, 2000, "response.create");
+    const create = sock.sent.at(-1);
+    sock.push({ type: "response.created", response: { id: "resp_1", status: "in_progress", output: [] }, event_id: create.event_id, seq: 2 });
+    return r;
+  }
+
+  test("a refused resume fails the calls made while reconnecting, and sends none of them", async () => {
+    const { session, sock, fake } = await fakeSession({ reconnect: { random: () => 0 } });
+    sock.drop(1006);
+    const added = session.addMessage("meant for the old session");
+    const r = session.createResponse();
+    const sock2 = await fake.socket(1);
+    sock2.accept();
+    sock2.push({ type: "session.created", session: { ...SESSION, id: "sess_b" }, seq: 1 });
+    sock2.push({ type: "error", error: { type: "invalid_request_error", code: "session_not_found", message: "no", event_id: sock2.sent[0].event_id }, seq: 2 });
+    await assert.rejects(added, { code: "resume_failed" });
+    await assert.rejects(r.done(), { code: "resume_failed" });
+    await tick(20);
+    assert.deepEqual(sock2.sent.map((e) => e.type), ["session.resume"]);
+    await session.close();
+  });
+
+  test("a reconnect that gets its fresh session.created and then closes counts as failed", async () => {
+    const { session, sock, fake } = await fakeSession({
+      reconnect: { initialDelayMs: 2, maxDelayMs: 8, maxAttempts: 3, random: () => 0.999999 },
+    });
+    const delays = [];
+    session.on("reconnecting", (e) => {
+      delays.push(e.delayMs);
+      fake.socket(e.attempt).then((s) => {
+        s.accept();
+        s.push({ type: "session.created", session: { ...SESSION, id: `sess_${e.attempt}` }, seq: 1 });
+        s.drop(1013, "session store unavailable");
+      });
+    });
+    const closed = new Promise((resolve) => session.on("close", resolve));
+    sock.drop(1006);
+    assert.equal((await closed).error.code, "reconnect_failed");
+    assert.deepEqual(delays, [1, 3, 7]); // backing off, not starting over each time
+    assert.equal(fake.sockets.length, 4);
+  });
+
+  test("an idle close (4000) ends the session: no reconnect", async () => {
+    const { session, sock, fake } = await fakeSession({ reconnect: { random: () => 0 } });
+    const closed = new Promise((resolve) => session.on("close", resolve));
+    sock.drop(4000, "idle timeout");
+    const info = await closed;
+    assert.equal(info.code, 4000);
+    assert.equal(info.error.code, "connection_closed");
+    await tick(20);
+    assert.equal(fake.sockets.length, 1);
+  });
+
+  test("status is in_progress again while a tool round's continuation streams", async () => {
+    const { session, sock } = await fakeSession();
+    const r = await started(session, sock);
+    sock.push({ type: "response.requires_action", response_id: "resp_1", call_ids: ["call_1"], seq: 3 });
+    assert.equal(r.status, "requires_action");
+    sock.push({ type: "response.output_text.delta", response_id: "resp_1", item_id: "item_2", delta: "Sunny", seq: 4 });
+    assert.equal(r.status, "in_progress");
+    await session.close();
+  });
+
+  test("text cut inside an emoji is sent with U+FFFD, not refused without an event_id", async () => {
+    const { session, sock } = await fakeSession();
+    const cut = "hi 😀".slice(0, 4);
+    const added = session.addMessage(cut);
+    await until(() => sock.sent.length === 1);
+    assert.equal(sock.sent[0].item.content, "hi \ufffd");
+    sock.push({ type: "conversation.item.created", item: { id: "item_1", type: "message", role: "user", content: "hi \ufffd" }, event_id: sock.sent[0].event_id, seq: 2 });
+    assert.equal((await added).id, "item_1");
+    await session.close();
+  });
+
+  test("a tool named like an Object method has no handler unless given one", async () => {
+    const { session, sock } = await fakeSession();
+    await started(session, sock);
+    sock.push({ type: "response.function_call_arguments.done", response_id: "resp_1", item_id: "item_1", call_id: "call_1", name: "toString", arguments: "{}", seq: 3 });
+    await tick(20);
+    assert.equal(sock.sent.length, 1); // only the response.create: nothing answered the call
+    await session.close();
+  });
+
+  test("a handler that returns after its response ended sends nothing and says so", async () => {
+    let release;
+    const { session, sock } = await fakeSession({ tools: { slow: () => new Promise((resolve) => (release = resolve)) } });
+    await started(session, sock);
+    const toolerror = new Promise((resolve) => session.on("toolerror", resolve));
+    sock.push({ type: "response.function_call_arguments.done", response_id: "resp_1", item_id: "item_1", call_id: "call_1", name: "slow", arguments: "{}", seq: 3 });
+    sock.push({ type: "response.done", response: { id: "resp_1", status: "incomplete", status_details: { type: "incomplete", reason: "tool_timeout" }, output: [] }, seq: 4 });
+    release("late");
+    assert.equal((await toolerror).error.code, "response_ended");
+    await tick(10);
+    assert.equal(sock.sent.length, 1);
+    await session.close();
+  });
+});

@@ -53,6 +53,7 @@ def test_text_generation_continues_after_the_logged_tokens() -> None:
     (cont,) = r.actions_to_perform()
     assert isinstance(cont, StartGeneration) and cont.response_id == rid
     assert cont.request.resume_token_ids == (11, 12, 13)
+    assert cont.request.resumed_text == "Hello wide world"  # what guardrails check on from
     assert cont.request.max_output_tokens == 7  # 10 minus the 3 already made
     assert cont.request.messages == action.request.messages  # the original prompt
     r.receive_engine_output(cont.request.request_id, EngineDelta("!", 1, "stop", token_ids=[14]))

@@ -94,6 +94,45 @@ async def test_a_catastrophic_regex_times_out_instead_of_stalling() -> None:
     assert out[-1].finish_reason == CONTENT_FILTER
 
 
+async def test_a_regex_longer_than_the_lookahead_is_held_until_decided() -> None:
+    """A regex entry has no length for a lookahead: its start, partial or
+    undecided at the window's end, is held, so none of a match leaves."""
+    key = "BEGIN OPENSSH PRIVATE KEY b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ"
+    pieces = words(f"Here it is: {key} and more text follows here")
+    b = Blocklist([r"re:BEGIN OPENSSH PRIVATE KEY \S+"])
+    source = Source(pieces)
+    out = await run(stage(b, lookahead=4), source)
+    assert out[-1].finish_reason == CONTENT_FILTER
+    assert delivered(out) == "Here it is: "
+    assert source.sent < len(pieces)  # stopped as soon as it was decided
+    # Without a match the same stream goes through whole, and streams.
+    out = await run(stage(b, lookahead=4), Source(words("Here it is: BEGIN nothing else to see")))
+    assert delivered(out) == "Here it is: BEGIN nothing else to see"
+    assert len(out) > 2
+
+
+@pytest.mark.parametrize(
+    ("sent", "pieces", "expect"),
+    [
+        # A phrase split by a pause: its first word went out before it.
+        ("Call it top", [" secret", " plans", " are", " here", " now"], ""),
+        # A phone number split by a pause: its start is out, the rest is held back.
+        ("Call 555", [" 123", " 4567", " today", " ok"], ""),
+        # Nothing to find: the resumed text goes out as it comes.
+        ("Call it top", [" sunny", " days", " are", " here", " now"], " sunny days are here now"),
+    ],
+)
+async def test_a_resumed_generation_is_checked_with_the_text_already_sent(
+    sent: str, pieces: list[str], expect: str
+) -> None:
+    source = Source(pieces)
+    request = GenerationRequest("req_2", [], resume_token_ids=(1, 2), resumed_text=sent)
+    s = stage(Blocklist(["top secret"]), Pii(), lookahead=8)
+    out = [d async for d in s.stream(request, CONTEXT, source)]
+    assert delivered(out) == expect
+    assert out[-1].finish_reason == (CONTENT_FILTER if not expect else "stop")
+
+
 async def test_pii_is_redacted_across_deltas_and_usage_stays_whole() -> None:
     pieces = ["Mail", " bob", ".smith@", "exam", "ple.com", " or", " call", " +1", " 555",
               " 123", " 4567", " today", " please", " ok"]  # fmt: skip

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from ..engines.base import (
+    RESUMED_TEXT_CHARS,
     ContextLengthExceeded,
     ConversationRefused,
     EngineCapabilities,
@@ -45,6 +46,12 @@ class Quota(Protocol):
     def release_response(self) -> None: ...
 
     def spend_tokens(self, n: int) -> None: ...
+
+
+def resumed_text(resp: Response) -> str:
+    """The end of the text the client holds of the generation being resumed."""
+    item = resp.current_item
+    return item["content"][-RESUMED_TEXT_CHARS:] if item is not None else ""
 
 
 def error_code(exc: EngineError) -> ErrorCode:
@@ -280,6 +287,7 @@ class Lifecycle:
                 request_id=f"{resp.id}-{resp.generation + 1}",
                 max_output_tokens=resp.remaining_tokens(),
                 resume_token_ids=tuple(resp.gen_token_ids),
+                resumed_text=resumed_text(resp),
             )
             self.start_generation(resp, request, fresh=False)
             resumed.append(resp.id)

@@ -7,6 +7,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+# How much of a paused generation's text its resume carries (resumed_text).
+RESUMED_TEXT_CHARS = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
@@ -25,6 +28,9 @@ class GenerationRequest:
     # Tokens this generation already produced before a pause: the engine
     # appends them to the prompt and continues after them (prefix-cache hit).
     resume_token_ids: tuple[int, ...] = ()
+    # The end of the text those tokens gave, as the client got it (at most
+    # RESUMED_TEXT_CHARS): a stage that checks text (guardrails) sees it too.
+    resumed_text: str = ""
     # The prompt as the engine's preflight rendered it, so generate() does
     # not render it again; None: generate() renders it.
     rendered: tuple[int, ...] | None = None

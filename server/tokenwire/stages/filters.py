@@ -57,7 +57,15 @@ class Redact:
     text: str  # the window, rewritten
 
 
-Verdict = Allow | Block | Redact
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """No decision yet on the text from `at` on (a match may be forming
+    there, longer than any lookahead can say): the stage does not release it."""
+
+    at: int
+
+
+Verdict = Allow | Block | Redact | Hold
 ALLOW = Allow()
 
 
@@ -124,10 +132,15 @@ class Blocklist:
                 return found
         for pattern in self.patterns:
             # The leftmost match only: one that is not decided yet ends the
-            # window, so no later one can be.
-            match = _search(pattern, window)
-            if match is not None and _decided(match.end(), window, final):
-                return Block(f"blocklist: {pattern.pattern[:40]}", match.start())
+            # window, so no later one can be. A regex has no length bound
+            # for a lookahead: an undecided match, or (with `regex`) the
+            # start of one at the window's end, holds the text from there.
+            match = _search(pattern, window, partial=not final)
+            if match is None or match.start() == len(window):  # an empty partial: nothing held
+                continue
+            if getattr(match, "partial", False) or not _decided(match.end(), window, final):
+                return Hold(match.start())
+            return Block(f"blocklist: {pattern.pattern[:40]}", match.start())
         return ALLOW
 
     def _phrase(self, window: str, final: bool) -> Block | None:
@@ -158,9 +171,11 @@ def _compile(pattern: str, flags: int) -> Any:
         raise GuardrailError(f"blocklist regex {pattern!r}: {exc}") from None
 
 
-def _search(pattern: Any, text: str) -> Any:
+def _search(pattern: Any, text: str, partial: bool = False) -> Any:
+    """`partial`: with `regex`, a match cut off by the text's end counts too."""
     if _regex is not None and isinstance(pattern, _regex.Pattern):
-        return pattern.search(text, timeout=REGEX_TIMEOUT_S)  # raises TimeoutError
+        # Raises TimeoutError.
+        return pattern.search(text, partial=partial, timeout=REGEX_TIMEOUT_S)
     return pattern.search(text)
 
 

@@ -33,7 +33,7 @@ from ..config import ServerConfig
 from ..core.stages import CONTENT_FILTER, Source, StageContext
 from ..engines.base import EngineDelta, GenerationRequest
 from ..logs import get_logger
-from .filters import ALLOW, Block, Filter, GuardrailError, Redact, Verdict, load_filter
+from .filters import ALLOW, Block, Filter, GuardrailError, Hold, Redact, Verdict, load_filter
 
 log = get_logger("tokenwire.guardrails")
 
@@ -49,9 +49,10 @@ class GuardrailPolicy:
 
     async def run(
         self, filters: Sequence[Filter], window: str, final: bool
-    ) -> tuple[str, Block | None]:
-        """The window after every filter's redactions, and the first block."""
-        text = window
+    ) -> tuple[str, Block | None, int]:
+        """The window after every filter's redactions, the first block, and
+        how many of its last characters a filter holds (`Hold`)."""
+        text, held = window, 0
         for f in filters:
             try:
                 verdict = f.check(text, final)
@@ -63,11 +64,14 @@ class GuardrailPolicy:
                 verdict = self._failed(f, "error", exc)
             if isinstance(verdict, Block):
                 metrics.GUARDRAIL_BLOCKS.labels(f.name).inc()
-                return text, verdict
-            if isinstance(verdict, Redact):
+                return text, verdict, held
+            if isinstance(verdict, Hold):
+                # Counted from the end: a later filter's redaction before it keeps it.
+                held = max(held, len(text) - verdict.at)
+            elif isinstance(verdict, Redact):
                 metrics.GUARDRAIL_REDACTIONS.labels(f.name).inc()
                 text = verdict.text
-        return text, None
+        return text, None, held
 
     def _failed(self, f: Filter, kind: str, exc: BaseException) -> Verdict:
         metrics.GUARDRAIL_FAILURES.labels(f.name, kind).inc()
@@ -138,14 +142,15 @@ class Window:
             self.held = [_merge(self.held, text)]
             self.text = text
 
-    def releasable(self) -> EngineDelta | None:
+    def releasable(self, held: int = 0) -> EngineDelta | None:
         """The longest run of whole deltas that leaves `lookahead` characters
-        held and ends between two words; None if there is none. A run of
-        whitespace counts as one character: filters match phrases across any
-        whitespace ("top   secret")."""
+        (and the last `held`, which a filter holds) and ends between two
+        words; None if there is none. A run of whitespace counts as one
+        character: filters match phrases across any whitespace ("top   secret")."""
         text, limit = self.text, len(self.text) - self.lookahead
         if _WHITESPACE_RUN.search(text, max(limit, 0)):
             limit = _held_from(text, self.lookahead)
+        limit = min(limit, len(text) - held)
         end = cut = 0
         for i, d in enumerate(self.held):
             end += len(d.text)
@@ -217,6 +222,10 @@ class GuardrailStage:
         window: Window,
     ) -> AsyncIterator[EngineDelta]:
         upstream = source(request)
+        # A resumed generation (after a pause or a takeover) goes on after text
+        # the client holds: filters see its tail too, so a phrase or number
+        # split by the pause is still seen whole.
+        sent = request.resumed_text
         try:
             async for delta in upstream:
                 calls = delta.tool_calls
@@ -227,7 +236,9 @@ class GuardrailStage:
                 if not delta.text and not calls and finish is None:
                     continue
                 final = finish is not None or bool(calls)
-                text, block = await self.policy.run(filters, window.text, final)
+                text, block, held = await self.policy.run(filters, sent + window.text, final)
+                if sent:
+                    text, block = _after_sent(sent, text, block)
                 if block is not None:
                     async for out in self._blocked(filters, window, text, block, context):
                         yield out
@@ -242,7 +253,7 @@ class GuardrailStage:
                     if finish is not None:
                         return
                     continue
-                out = window.releasable()
+                out = window.releasable(held)
                 if out is not None:
                     yield out
         finally:
@@ -266,13 +277,26 @@ class GuardrailStage:
         # The text before the blocked part, checked again as final, may go
         # (nothing does if a filter places the block outside the text).
         while block is not None and block.at and block.at < len(text):
-            text, block = await self.policy.run(filters, text[: block.at], True)
+            text, block, _ = await self.policy.run(filters, text[: block.at], True)
         if block is None and text:
             window.rewrite(text)  # only usage matters now: the generation ends here
             out = window.take_all(None)
             if out is not None:
                 yield out
         yield EngineDelta("", 0, CONTENT_FILTER)
+
+
+def _after_sent(sent: str, text: str, block: Block | None) -> tuple[str, Block | None]:
+    """The filters' verdict on `sent + held text`, for the held text: a block
+    or a redaction that reaches into what the client holds stops the
+    generation (it cannot be taken back), with nothing more released."""
+    if not text.startswith(sent):
+        return "", Block("a redaction reaches text already sent")
+    if block is not None and (block.at is None or block.at < len(sent)):
+        return "", Block(block.reason)
+    if block is not None:
+        block = replace(block, at=block.at - len(sent))
+    return text[len(sent) :], block
 
 
 class KeyGuardrails(Protocol):
