@@ -38,6 +38,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from .core.schema import check_values
 from .wire.codec import decode_frame
 from .wire.tokenwire_v1 import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, TokenwireV1
 
@@ -63,19 +64,20 @@ class TokenwireError(Exception):
 
 
 class Response:
-    """One response: iterate its events, or its text, until `response.done`."""
+    """One response: iterate its events, or its text, until `response.done`.
+    Each iteration starts from its first event: iterate as often as you like."""
 
     def __init__(self, client: Client, created: dict[str, Any]) -> None:
         self.client = client
         self.id: str = created["response"]["id"]
         self.created = created
-        self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._more = asyncio.Event()  # set when an event comes, or the end
         self.events: list[dict[str, Any]] = []
 
     def _feed(self, event: dict[str, Any]) -> None:
         self.events.append(event)
-        self._queue.put_nowait(event)
+        self._more.set()
         if event["type"] == _TERMINAL and not self._done.done():
             self._done.set_result(event["response"])
 
@@ -83,14 +85,19 @@ class Response:
         if not self._done.done():
             self._done.set_exception(exc)
             self._done.exception()  # mark retrieved; iterators re-raise it
-        self._queue.put_nowait({"type": "_closed"})
+        self._more.set()
 
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        i = 0
         while True:
-            event = await self._queue.get()
-            if event["type"] == "_closed":
-                await self._done  # raises the connection error
-                return
+            while i == len(self.events):
+                if self._done.done():
+                    await self._done  # raises the connection error
+                    return
+                self._more.clear()
+                await self._more.wait()
+            event = self.events[i]
+            i += 1
             yield event
             if event["type"] == _TERMINAL:
                 return
@@ -101,8 +108,11 @@ class Response:
                 yield event["delta"]
 
     async def text(self) -> str:
-        """All output text, once the response is done."""
+        """All output text, once the response is done; a `failed` response
+        raises its error (`done()` still gives the response)."""
         result = await self.done()
+        if result["status"] == "failed":
+            raise TokenwireError((result.get("status_details") or {}).get("error") or {})
         return "".join(i.get("content", "") for i in result["output"] if i["type"] == "message")
 
     async def done(self) -> dict[str, Any]:
@@ -111,13 +121,17 @@ class Response:
 
     @property
     def status(self) -> str | None:
-        return self._done.result()["status"] if self._done.done() else None
+        """The final status; None while it runs, or if the connection failed first."""
+        if not self._done.done() or self._done.exception() is not None:
+            return None
+        return self._done.result()["status"]
 
     async def cancel(self) -> dict[str, Any]:
-        """Stop the response; returns its final `response` (status cancelled)."""
+        """Stop the response; returns its final `response` (status cancelled,
+        or the status it ended with just before). A refused cancel raises."""
         if not self._done.done():
             try:
-                await self.client.send({"type": "response.cancel", "response_id": self.id})
+                await self.client.request({"type": "response.cancel", "response_id": self.id})
             except TokenwireError as exc:
                 # It finished in the meantime; that is not an error for the caller.
                 if exc.code != "response_not_active":
@@ -185,6 +199,9 @@ class Client:
         # create_response's event_id -> its Response once created: the
         # response may be done, and gone from _responses, before the call returns.
         self._created: dict[str, Response | None] = {}
+        # create_response calls cancelled before their response came: it is
+        # cancelled when it does.
+        self._abandoned: set[str] = set()
         # Events that belong to no response and answer no request.
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.last_seq = 0
@@ -245,19 +262,47 @@ class Client:
         await self._write(frame, None)
 
     async def request(self, event: dict[str, Any]) -> dict[str, Any]:
-        """Send an event and wait for the reply that echoes its event_id."""
+        """Send an event and wait for the reply that echoes its event_id. A
+        cancel that works has none: its reply is the response's
+        `response.done` event."""
         event_id = event.setdefault("event_id", f"evt_{next(self._ids)}")
         future = asyncio.get_running_loop().create_future()
         self._pending[event_id] = future
         try:
             await self._send(event)
+            if event.get("type") == "response.cancel":
+                return await self._cancelled(event, future)
             return await future
         finally:
             self._pending.pop(event_id, None)
             if future.done() and not future.cancelled():
                 future.exception()  # failed with the send: retrieved here
 
+    async def _cancelled(
+        self, event: dict[str, Any], refused: asyncio.Future[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The `response.done` a cancel brought, or its error."""
+        target = event.get("response_id")
+        if target is None and len(self._responses) == 1:
+            target = next(iter(self._responses))
+        response = self._responses.get(target) if target else None
+        if response is None:
+            return await refused  # nothing here to cancel: the server says why
+        ended = asyncio.ensure_future(response.done())
+        try:
+            await asyncio.wait({refused, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+        if refused.done():
+            return refused.result()  # raises the error
+        return {"type": _TERMINAL, "response": await response.done()}
+
     async def _send(self, event: dict[str, Any]) -> None:
+        try:
+            check_values(event)
+        except ValueError as exc:
+            # The server would refuse the frame, with no event_id to say which call.
+            raise _client_error("invalid_value", f"the event cannot be sent: {exc}") from None
         frame = self.codec.encode(event)
         limit = self.session.get("max_message_bytes")
         size = len(frame.encode() if isinstance(frame, str) else frame)
@@ -312,8 +357,14 @@ class Client:
                 {"type": "response.create", "event_id": event_id, "response": params}
             )
             response = self._created[event_id]
+        except asyncio.CancelledError:
+            # Nobody holds the response: it must not run on (and block the next).
+            self._abandoned.add(event_id)
+            if self._created.get(event_id) is not None:
+                self._cancel_abandoned(event_id)
+            raise
         finally:
-            del self._created[event_id]
+            self._created.pop(event_id, None)
         assert response is not None  # response.created resolved the request
         return response
 
@@ -341,6 +392,8 @@ class Client:
                 try:
                     async for frame in self.ws:
                         self._dispatch(decode_frame(frame))
+                    # A clean close ends the iteration: its exception says how.
+                    error = self.ws.protocol.close_exc
                 except ConnectionClosed as exc:
                     error = exc
                 except Exception as exc:  # a frame we cannot read: the connection is useless
@@ -500,6 +553,8 @@ class Client:
             self._responses[response.id] = response
             if event.get("event_id") in self._created:
                 self._created[event["event_id"]] = response
+            if event.get("event_id") in self._abandoned:
+                self._cancel_abandoned(event["event_id"], response)
         response_id = event.get("response_id") or (
             event["response"]["id"] if kind in ("response.created", _TERMINAL) else None
         )
@@ -526,6 +581,18 @@ class Client:
         elif response_id is None:
             self.events.put_nowait(event)
 
+    def _cancel_abandoned(self, event_id: str, response: Response | None = None) -> None:
+        self._abandoned.discard(event_id)
+        response = response or self._created.get(event_id)
+        if response is None or response._done.done():
+            return
+        task = asyncio.create_task(
+            self.send({"type": "response.cancel", "response_id": response.id})
+        )
+        self._tool_tasks.add(task)  # kept until done, as tool tasks are
+        task.add_done_callback(self._tool_tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
     async def _run_tool(self, event: dict[str, Any]) -> None:
         """Run a tool handler and send its result (or its error) back as the output."""
         handler = self.tool_handlers[event["name"]]
@@ -537,10 +604,14 @@ class Client:
             output = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
         if epoch != self._epoch:
             return  # the session that called it is gone (a refused resume)
-        with contextlib.suppress(TokenwireError, ConnectionClosed, ConnectionError):
+        try:
             await self.create_item(
                 {"type": "function_call_output", "call_id": event["call_id"], "output": output}
             )
+        except (TokenwireError, ConnectionClosed, ConnectionError) as exc:
+            # The response waits for it until its tool timeout: say why.
+            log.error("tokenwire: the output of %s could not be sent: %s", event["name"], exc)
+            self.events.put_nowait({"type": "client.tool_error", "call": event, "error": exc})
 
 
 async def connect(
@@ -563,6 +634,8 @@ async def connect(
         "subprotocols": [subprotocol],
         "additional_headers": headers,
         "compression": None,
+        # A response.done or a retrieve can pass 1 MiB (websockets' default).
+        "max_size": None,
         **kwargs,
     }
     ws = await ws_connect(url, **options)

@@ -1,0 +1,155 @@
+"""The Python client (tokenwire.client) where a caller meets an edge: a
+response read twice, a value the server would refuse, a cancel awaited as a
+request, a clean close, a large server frame, a caller that gives up, a
+failed response. On the scripted engine, or on a stand-in server that plays
+one exchange."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosedOK
+
+from tokenwire.client import TokenwireError, connect
+
+from ..conftest import RunningServer
+
+SESSION = {"id": "sess_a", "object": "realtime.session", "max_message_bytes": 1 << 20}
+
+
+@asynccontextmanager
+async def stand_in(
+    play: Callable[[ServerConnection], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """A server that sends session.created, then plays `play`."""
+
+    async def handler(ws: ServerConnection) -> None:
+        await ws.send(json.dumps({"type": "session.created", "session": SESSION, "seq": 1}))
+        await play(ws)
+
+    async with serve(handler, "127.0.0.1", 0, subprotocols=["tokenwire.v1.json"]) as server:  # type: ignore[list-item]
+        port = server.sockets[0].getsockname()[1]
+        yield f"ws://127.0.0.1:{port}/v1/realtime"
+
+
+async def test_a_response_can_be_read_again(scripted: RunningServer) -> None:
+    async with await connect(scripted.url) as tw:
+        await tw.add_message("twice")
+        r = await tw.create_response()
+
+        async def deltas() -> list[str]:
+            return [d async for d in r.text_deltas()]
+
+        first = await asyncio.wait_for(deltas(), 5)
+        second = await asyncio.wait_for(deltas(), 5)  # it waited forever before
+        assert "".join(first) == "You said: twice"
+        assert second == first
+        assert [e["type"] async for e in r][-1] == "response.done"
+
+
+async def test_a_value_the_server_refuses_raises_at_the_call(scripted: RunningServer) -> None:
+    """NaN (or a lone surrogate) would be refused as a malformed frame, with no
+    event_id to name the call: the client refuses it itself."""
+    async with await connect(scripted.url) as tw:
+        with pytest.raises(TokenwireError) as err:
+            await asyncio.wait_for(tw.create_response(temperature=float("nan")), 5)
+        assert err.value.code == "invalid_value"
+        with pytest.raises(TokenwireError):
+            await asyncio.wait_for(tw.add_message("cut \ud83d"), 5)
+        assert await tw.ask("still here") == "You said: still here"
+
+
+async def test_a_cancel_sent_as_a_request_returns_the_response_done(
+    scripted: RunningServer,
+) -> None:
+    async with await connect(scripted.url) as tw:
+        r = await tw.create_response(ignore_eos=True, max_output_tokens=100_000)
+        async for _ in r.text_deltas():
+            break
+        done = await asyncio.wait_for(tw.request({"type": "response.cancel"}), 5)
+        assert done["type"] == "response.done"
+        assert done["response"]["status"] == "cancelled"
+        assert r.status == "cancelled"
+        with pytest.raises(TokenwireError) as err:  # nothing left to cancel
+            await asyncio.wait_for(tw.request({"type": "response.cancel"}), 5)
+        assert err.value.code == "response_not_active"
+
+
+async def test_a_caller_that_gives_up_on_create_response_leaves_nothing_running(
+    scripted: RunningServer,
+) -> None:
+    async with await connect(scripted.url) as tw:
+        task = asyncio.create_task(tw.create_response(ignore_eos=True, max_output_tokens=100_000))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Its response is cancelled once it exists: a new one may start.
+        for _ in range(100):
+            try:
+                assert await tw.ask("next") == "You said: next"
+                break
+            except TokenwireError as exc:
+                assert exc.code == "conversation_already_has_active_response"
+                await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the abandoned response kept running")
+
+
+async def test_a_clean_close_fails_calls_with_its_close_code() -> None:
+    async def play(ws: ServerConnection) -> None:
+        await ws.recv()  # the update, never answered
+        await ws.close(1001, "going away")
+
+    async with stand_in(play) as url:
+        tw = await connect(url, protocol="json")
+        with pytest.raises(ConnectionClosedOK) as err:
+            await asyncio.wait_for(tw.update_session(temperature=0), 5)
+        assert err.value.rcvd is not None and err.value.rcvd.code == 1001
+        await tw.close()
+
+
+async def test_a_server_frame_over_1_mib_is_read() -> None:
+    big = "x" * (2 << 20)
+
+    async def play(ws: ServerConnection) -> None:
+        event = json.loads(await ws.recv())
+        item = {"id": "item_1", "type": "message", "role": "user", "content": big}
+        reply = {"type": "conversation.item.created", "item": item, "seq": 2}
+        await ws.send(json.dumps({**reply, "event_id": event["event_id"]}))
+        await ws.wait_closed()
+
+    async with stand_in(play) as url:
+        async with await connect(url, protocol="json") as tw:
+            item = await asyncio.wait_for(tw.add_message("hi"), 10)
+            assert item["content"] == big
+
+
+async def test_a_failed_response_raises_from_text() -> None:
+    error = {"type": "server_error", "code": "invalid_tool_arguments", "message": "bad call"}
+
+    async def play(ws: ServerConnection) -> None:
+        event = json.loads(await ws.recv())
+        resp = {"id": "resp_1", "status": "in_progress", "output": []}
+        await ws.send(
+            json.dumps(
+                {"type": "response.created", "response": resp, "event_id": event["event_id"]}
+            )
+        )
+        details = {"type": "failed", "error": error}
+        done = {**resp, "status": "failed", "status_details": details}
+        await ws.send(json.dumps({"type": "response.done", "response": done, "seq": 3}))
+        await ws.wait_closed()
+
+    async with stand_in(play) as url:
+        async with await connect(url, protocol="json") as tw:
+            r = await tw.create_response()
+            with pytest.raises(TokenwireError) as err:
+                await asyncio.wait_for(r.text(), 5)
+            assert err.value.code == "invalid_tool_arguments"
+            assert (await r.done())["status"] == "failed"
