@@ -307,10 +307,10 @@ async def test_a_fixed_seed_takes_part_at_any_temperature(backend: dict[str, Any
 async def test_the_memory_cache_evicts_past_its_cap() -> None:
     evictions = metric("tokenwire_response_cache_evictions_total")
     first = words()
-    async with cache_server(response_cache_max_bytes=2048) as (server, engine):
+    async with cache_server(response_cache_max_bytes=8192) as (server, engine):
         async with await connect(server.url) as tw:
             await (await ask(tw, first)).done()
-            for _ in range(40):  # about 100 bytes each: 2048 holds 20
+            for _ in range(40):  # about 100 bytes and 320 of overhead each: 8192 holds 19
                 await (await ask(tw, words())).done()
             assert metric("tokenwire_response_cache_evictions_total") > evictions
             again = await ask(tw, first)

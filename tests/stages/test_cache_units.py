@@ -4,6 +4,8 @@ and stored, the stored form, and the in-memory LRU."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import REGISTRY
@@ -19,7 +21,7 @@ from tokenwire.stages.cache import (
     encode_entry,
     storable,
 )
-from tokenwire.stages.cache_store import MemoryStore
+from tokenwire.stages.cache_store import ENTRY_OVERHEAD, MemoryStore
 
 from ..helpers.wait import until
 
@@ -106,24 +108,44 @@ def test_an_entry_streams_back_in_chunks_with_its_usage() -> None:
 
 async def test_the_memory_lru_evicts_the_least_recently_used_past_its_cap() -> None:
     now = [0.0]
-    store = MemoryStore(max_bytes=800, ttl_s=10, clock=lambda: now[0])
+    entry = 100 + ENTRY_OVERHEAD  # what an entry of 100 bytes costs
+    store = MemoryStore(max_bytes=8 * entry, ttl_s=10, clock=lambda: now[0])
     evictions = metric("tokenwire_response_cache_evictions_total")
     for name in "abcd":
-        assert await store.put(name, name.encode() * 100)  # the entry cap is 800 // 8
+        assert await store.put(name, name.encode() * 100)  # the entry cap is an 8th
     assert not await store.put("big", b"x" * 101)
     assert await store.get("a") == b"a" * 100  # now the most recently used
     for name in "efgh":
         await store.put(name, name.encode() * 100)
-    assert store.bytes == 800 and metric("tokenwire_response_cache_evictions_total") == evictions
+    assert store.bytes == 8 * entry
+    assert metric("tokenwire_response_cache_evictions_total") == evictions
     await store.put("i", b"i" * 100)  # one over: b goes, a was used since
     assert await store.get("b") is None and await store.get("a") is not None
     assert metric("tokenwire_response_cache_evictions_total") == evictions + 1
-    assert metric("tokenwire_response_cache_memory_bytes") == 800
+    assert metric("tokenwire_response_cache_memory_bytes") == 8 * entry
+
+
+async def test_short_answers_count_what_their_entries_hold() -> None:
+    """An entry's digest, tuple and slot count too (~320 B): ten thousand
+    18-byte answers once held 18x the cap."""
+    import tracemalloc
+
+    store = MemoryStore(max_bytes=64 * 1024, ttl_s=10)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(10_000):
+            await store.put(hashlib.sha256(str(i).encode()).hexdigest(), b"x" * 18)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.bytes <= 64 * 1024
+    assert held < 1.5 * 64 * 1024
 
 
 async def test_memory_entries_expire() -> None:
     now = [0.0]
-    store = MemoryStore(max_bytes=800, ttl_s=10, clock=lambda: now[0])
+    store = MemoryStore(max_bytes=8 * (1 + ENTRY_OVERHEAD), ttl_s=10, clock=lambda: now[0])
     await store.put("a", b"a")
     now[0] = 9.9
     assert await store.get("a") == b"a"
@@ -160,3 +182,34 @@ async def test_a_failing_backend_is_a_miss_never_an_error() -> None:
     assert await run() == "You said: hello"
     await until(lambda: backend.calls == 2 and not cache.flights, "the write tried")
     assert await run() == "You said: hello"
+
+
+async def test_the_key_has_the_model_the_engine_serves() -> None:
+    """Not --model, which may be unset (a remote's served name, vLLM's own
+    --model): two engines serving different models never share entries, and
+    nothing is cached before the engine knows what it serves."""
+    from tokenwire.stages import served_model
+
+    class Remote:
+        name, model = "remote", ""
+
+    engine = Remote()
+    model = served_model(engine)  # type: ignore[arg-type]
+    assert model() is None
+    engine.model = "llama-8b"
+    assert model() == "remote:llama-8b"
+    request = GenerationRequest("r", [{"role": "user", "content": "hi"}], temperature=0)
+    context = StageContext("anonymous", "s", "r")
+    assert cache_key("remote:llama-8b", request, "t") != cache_key("remote:llama-70b", request, "t")
+
+    calls: list[GenerationRequest] = []
+
+    async def source(req: GenerationRequest) -> AsyncIterator[EngineDelta]:
+        calls.append(req)
+        yield EngineDelta("hi", 1, "stop", token_ids=[1])
+
+    engine.model = ""
+    cache = ResponseCache(MemoryStore(1 << 20, 60), model)
+    out = [d async for d in cache.stream(request, context, source)]
+    assert [d.text for d in out] == ["hi"] and len(calls) == 1
+    assert not cache.flights and not cache.backend.entries  # type: ignore[attr-defined]

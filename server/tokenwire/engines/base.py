@@ -169,6 +169,9 @@ class ConversationRefused(RequestError):
 class Engine(Protocol):
     name: str
     capabilities: EngineCapabilities
+    # What it serves once started ("" before): the model's path or served
+    # name. The response cache keys by it.
+    model: str
 
     async def start(self) -> None:
         """Load the model; `generate` waits for this to finish."""

@@ -104,6 +104,7 @@ def example_arguments(schema: dict[str, Any], word: str) -> dict[str, Any]:
 
 class ScriptedEngine:
     name = "scripted"
+    model = "scripted"
     capabilities = EngineCapabilities(resume_from_token_ids=True, preflight=True)
 
     def __init__(

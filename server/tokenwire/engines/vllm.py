@@ -57,6 +57,7 @@ class VllmEngine:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.model_path: str | None = None
+        self.model = ""
         self._llm: Any = None
         self._tokenizer: Any = None
         self._template: ChatTemplate | None = None
@@ -134,6 +135,7 @@ class VllmEngine:
         from vllm.envs import enable_envs_cache
 
         enable_envs_cache()
+        self.model = self.model_path or ""
         log.info("engine_ready", model=self.model_path, max_model_len=self._max_len)
 
     async def close(self) -> None:

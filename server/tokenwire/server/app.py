@@ -91,7 +91,7 @@ class TokenwireServer:
         }
         self.admission = Admission(config, ClientSecrets(self.store, defaults))
         self.registry = Registry(self.engine, config, self.admission.limiter, self.store)
-        self.registry.stages = build_stages(config, self.store, self.admission.keys)
+        self.registry.stages = build_stages(config, self.store, self.engine, self.admission.keys)
         self._server: Server | None = None
         self._engine_task: asyncio.Task[None] | None = None
         # Keepalive pings for every connection (websockets' own: a task each).

@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from .. import metrics
@@ -136,8 +136,9 @@ class Flight:
 class ResponseCache:
     name = "response_cache"
 
-    def __init__(self, backend: CacheStore, model_id: str) -> None:
+    def __init__(self, backend: CacheStore, model_id: str | Callable[[], str | None]) -> None:
         self.backend = backend
+        # A fixed id, or the engine's, asked per request (None: not ready yet).
         self.model_id = model_id
         # In flight (or being written) by key: what an identical request follows.
         self.flights: dict[str, Flight] = {}
@@ -149,9 +150,10 @@ class ResponseCache:
     def stream(
         self, request: GenerationRequest, context: StageContext, source: Source
     ) -> AsyncIterator[EngineDelta]:
-        if not cacheable(request, context):
+        model = self.model_id if isinstance(self.model_id, str) else self.model_id()
+        if model is None or not cacheable(request, context):
             return source(request)  # untouched: nothing added to its token path
-        key = cache_key(self.model_id, request, context.tenant)
+        key = cache_key(model, request, context.tenant)
         flight = self.flights.get(key)
         if flight is not None:
             metrics.CACHE_HITS.labels("in_flight").inc()
