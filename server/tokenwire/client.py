@@ -30,7 +30,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,111 +38,19 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from .client_response import TERMINAL as _TERMINAL
+from .client_response import Response, TokenwireError, cancel_reply
 from .core.schema import check_values
 from .wire.codec import decode_frame
 from .wire.tokenwire_v1 import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, TokenwireV1
 
 DEFAULT_URL = "ws://127.0.0.1:8765/v1/realtime"
-_TERMINAL = "response.done"
 # Closes after which the session is gone (or resuming cannot help): no reconnect.
 _FINAL_CLOSE_CODES = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 4000, 4008})
 # Handshake refusals that another attempt will not change.
 _FINAL_HTTP_STATUSES = frozenset({400, 401, 403, 404})
 
 log = logging.getLogger("tokenwire.client")
-
-
-class TokenwireError(Exception):
-    """An `error` event from the server, raised from the call that caused it;
-    or the client's own (`type` "client_error"): `message_too_big`,
-    `resume_failed`."""
-
-    def __init__(self, error: dict[str, Any]) -> None:
-        super().__init__(f"{error.get('code')}: {error.get('message')}")
-        self.error = error
-        self.code: str = error.get("code", "")
-
-
-class Response:
-    """One response: iterate its events, or its text, until `response.done`.
-    Each iteration starts from its first event: iterate as often as you like."""
-
-    def __init__(self, client: Client, created: dict[str, Any]) -> None:
-        self.client = client
-        self.id: str = created["response"]["id"]
-        self.created = created
-        self._done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._more = asyncio.Event()  # set when an event comes, or the end
-        self.events: list[dict[str, Any]] = []
-
-    def _feed(self, event: dict[str, Any]) -> None:
-        self.events.append(event)
-        self._more.set()
-        if event["type"] == _TERMINAL and not self._done.done():
-            self._done.set_result(event["response"])
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self._done.done():
-            self._done.set_exception(exc)
-            self._done.exception()  # mark retrieved; iterators re-raise it
-        self._more.set()
-
-    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        i = 0
-        while True:
-            while i == len(self.events):
-                if self._done.done():
-                    await self._done  # raises the connection error
-                    return
-                self._more.clear()
-                await self._more.wait()
-            event = self.events[i]
-            i += 1
-            yield event
-            if event["type"] == _TERMINAL:
-                return
-
-    async def text_deltas(self) -> AsyncIterator[str]:
-        async for event in self:
-            if event["type"] == "response.output_text.delta":
-                yield event["delta"]
-
-    async def text(self) -> str:
-        """All output text, once the response is done; a `failed` response
-        raises its error (`done()` still gives the response)."""
-        result = await self.done()
-        if result["status"] == "failed":
-            raise TokenwireError((result.get("status_details") or {}).get("error") or {})
-        return "".join(i.get("content", "") for i in result["output"] if i["type"] == "message")
-
-    async def done(self) -> dict[str, Any]:
-        """The `response` object of `response.done`."""
-        return await asyncio.shield(self._done)
-
-    @property
-    def status(self) -> str | None:
-        """The final status; None while it runs, or if the connection failed first."""
-        if not self._done.done() or self._done.exception() is not None:
-            return None
-        return self._done.result()["status"]
-
-    async def cancel(self) -> dict[str, Any]:
-        """Stop the response; returns its final `response` (status cancelled,
-        or the status it ended with just before). A refused cancel raises."""
-        if not self._done.done():
-            try:
-                await self.client.request({"type": "response.cancel", "response_id": self.id})
-            except TokenwireError as exc:
-                # It finished in the meantime; that is not an error for the caller.
-                if exc.code != "response_not_active":
-                    raise
-        return await self.done()
-
-    async def steer(self, text: str) -> dict[str, Any]:
-        """Add user input into the running response; returns `response.steered`."""
-        return await self.client.request(
-            {"type": "response.steer", "response_id": self.id, "input": text}
-        )
 
 
 ToolHandler = Callable[..., Awaitable[Any]]
@@ -285,17 +193,7 @@ class Client:
         target = event.get("response_id")
         if target is None and len(self._responses) == 1:
             target = next(iter(self._responses))
-        response = self._responses.get(target) if target else None
-        if response is None:
-            return await refused  # nothing here to cancel: the server says why
-        ended = asyncio.ensure_future(response.done())
-        try:
-            await asyncio.wait({refused, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
-        if refused.done():
-            return refused.result()  # raises the error
-        return {"type": _TERMINAL, "response": await response.done()}
+        return await cancel_reply(self._responses.get(target) if target else None, refused)
 
     async def _send(self, event: dict[str, Any]) -> None:
         try:
@@ -457,7 +355,7 @@ class Client:
             try:
                 async with asyncio.timeout(self.reconnect.attempt_timeout_s):
                     ws = await ws_connect(self._url, **self._ws_options)
-                    taken = await self._resume_on(ws)
+                    taken = await _resume_on(self, ws)
                 # Past the timeout: a long backlog may take its time.
                 await self._resend(taken)
             except _ResumeRefused as refused:
@@ -480,36 +378,6 @@ class Client:
         self.state = "open"
         self._open.set()
         return True
-
-    async def _resume_on(self, ws: ClientConnection) -> int:
-        """Resume on a new socket and take the replay; returns how many
-        frames the server took (session.resumed's client_events)."""
-        try:
-            fresh = decode_frame(await ws.recv())  # the new socket's own session
-            resume_id = f"evt_{next(self._ids)}"
-            await ws.send(
-                self.codec.encode(
-                    {
-                        "type": "session.resume",
-                        "event_id": resume_id,
-                        "session_id": self.session_id,
-                        "last_seq": self.last_seq,
-                    }
-                )
-            )
-            while True:
-                event = decode_frame(await ws.recv())
-                if event["type"] == "error" and event["error"].get("event_id") == resume_id:
-                    self.ws = ws  # the client goes on in the fresh session
-                    raise _ResumeRefused(event, fresh)
-                self._dispatch(event)
-                if event["type"] == "session.resumed":
-                    self.ws = ws
-                    return int(event.get("client_events", 0))
-        except BaseException:
-            if self.ws is not ws:
-                ws.transport.abort()  # no close handshake with a socket that failed us
-            raise
 
     async def _resend(self, taken: int) -> None:
         """Send again, in order, the frames the server never took."""
@@ -612,6 +480,37 @@ class Client:
             # The response waits for it until its tool timeout: say why.
             log.error("tokenwire: the output of %s could not be sent: %s", event["name"], exc)
             self.events.put_nowait({"type": "client.tool_error", "call": event, "error": exc})
+
+
+async def _resume_on(client: Client, ws: ClientConnection) -> int:
+    """Resume `client`'s session on a new socket and take the replay; returns how many
+    frames the server took (session.resumed's client_events)."""
+    try:
+        fresh = decode_frame(await ws.recv())  # the new socket's own session
+        resume_id = f"evt_{next(client._ids)}"
+        await ws.send(
+            client.codec.encode(
+                {
+                    "type": "session.resume",
+                    "event_id": resume_id,
+                    "session_id": client.session_id,
+                    "last_seq": client.last_seq,
+                }
+            )
+        )
+        while True:
+            event = decode_frame(await ws.recv())
+            if event["type"] == "error" and event["error"].get("event_id") == resume_id:
+                client.ws = ws  # the client goes on in the fresh session
+                raise _ResumeRefused(event, fresh)
+            client._dispatch(event)
+            if event["type"] == "session.resumed":
+                client.ws = ws
+                return int(event.get("client_events", 0))
+    except BaseException:
+        if client.ws is not ws:
+            ws.transport.abort()  # no close handshake with a socket that failed us
+        raise
 
 
 async def connect(
