@@ -133,6 +133,29 @@ async def test_a_resumed_generation_is_checked_with_the_text_already_sent(
     assert out[-1].finish_reason == (CONTENT_FILTER if not expect else "stop")
 
 
+async def test_the_sent_text_is_checked_only_next_to_the_held_text() -> None:
+    """Once part of a resumed generation is released, what is held no longer
+    follows the sent text: filters see it on its own, as in any window (else
+    "was top" + a later " secret" would look like a phrase)."""
+    seen: list[str] = []
+
+    class Recorder:
+        name, lookahead = "recorder", 0
+
+        def check(self, window: str, final: bool) -> Verdict:
+            seen.append(window)
+            return ALLOW
+
+    pieces = words("sunny days are here and then secret plans follow")
+    request = GenerationRequest("req_3", [], resume_token_ids=(1,), resumed_text="was top")
+    s = stage(Recorder(), Blocklist(["top secret"]), lookahead=8)
+    out = [d async for d in s.stream(request, CONTEXT, Source(pieces))]
+    assert delivered(out) == "".join(pieces) and out[-1].finish_reason == "stop"
+    assert seen[0].startswith("was top")
+    first_without = next(i for i, w in enumerate(seen) if not w.startswith("was top"))
+    assert all(not w.startswith("was top") for w in seen[first_without:])
+
+
 async def test_pii_is_redacted_across_deltas_and_usage_stays_whole() -> None:
     pieces = ["Mail", " bob", ".smith@", "exam", "ple.com", " or", " call", " +1", " 555",
               " 123", " 4567", " today", " please", " ok"]  # fmt: skip

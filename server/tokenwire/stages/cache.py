@@ -138,8 +138,8 @@ class ResponseCache:
 
     def __init__(self, backend: CacheStore, model_id: str | Callable[[], str | None]) -> None:
         self.backend = backend
-        # A fixed id, or the engine's, asked per request (None: not ready yet).
-        self.model_id = model_id
+        # The engine's model, asked per request (None: not ready yet).
+        self.model_id = (lambda: model_id) if isinstance(model_id, str) else model_id
         # In flight (or being written) by key: what an identical request follows.
         self.flights: dict[str, Flight] = {}
         self._writes: set[asyncio.Task[None]] = set()
@@ -150,7 +150,7 @@ class ResponseCache:
     def stream(
         self, request: GenerationRequest, context: StageContext, source: Source
     ) -> AsyncIterator[EngineDelta]:
-        model = self.model_id if isinstance(self.model_id, str) else self.model_id()
+        model = self.model_id()
         if model is None or not cacheable(request, context):
             return source(request)  # untouched: nothing added to its token path
         key = cache_key(model, request, context.tenant)

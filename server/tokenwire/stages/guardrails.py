@@ -255,6 +255,9 @@ class GuardrailStage:
                     continue
                 out = window.releasable(held)
                 if out is not None:
+                    # What follows is no longer next to `sent`: as any window
+                    # after a release, it is checked on its own.
+                    sent = ""
                     yield out
         finally:
             # However this ends (a block, a cancel, the client gone): the engine stops now.
