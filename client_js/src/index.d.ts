@@ -165,7 +165,7 @@ export class TokenwireError extends Error {
   /**
    * A server error code (docs/protocol.md §8), or a client one:
    * connect_failed, connect_timeout, connection_closed, reconnect_failed,
-   * resume_failed, message_too_big.
+   * resume_failed, unauthorized, handshake_refused, message_too_big.
    */
   readonly code: string;
   readonly param?: string;
@@ -208,7 +208,7 @@ export interface ConnectOptions {
   /** Reconnect and resume on an unexpected close; `false` turns it off. Default on. */
   reconnect?: boolean | ReconnectOptions;
   backpressure?: BackpressureOptions;
-  /** Time to wait for session.created. Default 10000. */
+  /** Time to wait for session.created, and for each reconnect attempt's answer. Default 10000. */
   connectTimeoutMs?: number;
   /** A WebSocket constructor to use instead of the global one or `ws`. */
   WebSocket?: any;

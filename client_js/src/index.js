@@ -40,6 +40,10 @@ const TERMINAL = "response.done";
 // Closes after which reconnecting is wrong: 4000, the server ended an idle
 // session (a new one would only idle again).
 const FINAL_CLOSES = new Set([4000]);
+// Handshake answers after which reconnecting is wrong: the key or the request
+// is refused. Node's `ws` names the status in its error; browsers hide it (the
+// attempts then run out as for any failure).
+const REFUSED_HANDSHAKE = /Unexpected server response: (400|401|403|404)\b/;
 const IS_NODE = typeof process !== "undefined" && !!process.versions?.node && typeof window === "undefined";
 
 /** An `error` event from the server (or a client-side failure), with a stable `code`. */
@@ -381,6 +385,8 @@ export class Session {
     this._sentCount = 0;
     this._unconfirmed = []; // [{n, eventId, frame}]
     this._attempt = 0;
+    this._attemptTimer = undefined;
+    this._socketError = "";
     this._retryAfterMs = 0;
     this._ready = deferred();
     this._ready.promise.catch(() => {});
@@ -655,7 +661,10 @@ export class Session {
       }
       this._dispatch(event);
     };
-    ws.onerror = () => {}; // a close event always follows
+    ws.onerror = (ev) => {
+      // A close event always follows; keep what it cannot say (the HTTP status).
+      if (ws === this.ws) this._socketError = String(ev?.message ?? "");
+    };
     ws.onclose = (ev) => {
       if (ws !== this.ws) return;
       this._onClose(ev);
@@ -664,11 +673,20 @@ export class Session {
 
   _onClose(ev) {
     const info = { code: ev.code, reason: ev.reason };
+    const socketError = this._socketError;
+    this._socketError = "";
     if (this.state === "connecting" && !this._resume) {
       // The first connection never got going: connect() rejects, no reconnect.
-      const err = clientError("connect_failed", `could not open ${this.url} (close ${ev.code}${ev.reason ? `: ${ev.reason}` : ""})`);
+      const why = `${ev.code}${ev.reason ? `: ${ev.reason}` : ""}${socketError ? `; ${socketError}` : ""}`;
+      const err = clientError("connect_failed", `could not open ${this.url} (close ${why})`);
       settle(this._ready, false, err);
       this._finalClose(err, info);
+      return;
+    }
+    const refused = this._resume && REFUSED_HANDSHAKE.exec(socketError);
+    if (refused) {
+      const code = refused[1] === "401" || refused[1] === "403" ? "unauthorized" : "handshake_refused";
+      this._finalClose(clientError(code, `the server refused the reconnect (HTTP ${refused[1]}): ${socketError}`), info);
       return;
     }
     if (this._closing || !this.reconnectOptions || !this.id || FINAL_CLOSES.has(ev.code)) {
@@ -700,18 +718,40 @@ export class Session {
         session_id: this.id,
         last_seq: this.lastSeq,
       };
-      this._resume = { event, attempt, newSession: null, oldSeq: this.lastSeq };
+      const resume = { event, attempt, newSession: null, oldSeq: this.lastSeq };
+      this._resume = resume;
       try {
-        this._attach(await this._open());
+        const ws = await this._open();
+        this._attach(ws);
+        this._giveUpAfter(ws, resume);
       } catch (err) {
         this._scheduleReconnect({ code: 1006, reason: String(err?.message ?? err) });
       }
     }, delayMs);
   }
 
+  /**
+   * A reconnect attempt that hangs (an address that never answers, a server
+   * that never answers the resume) is dropped after connectTimeoutMs, as the
+   * first connect is, and the next attempt is scheduled.
+   */
+  _giveUpAfter(ws, resume) {
+    const timeoutMs = this.options.connectTimeoutMs ?? 10_000;
+    clearTimeout(this._attemptTimer);
+    this._attemptTimer = setTimeout(() => {
+      if (this._resume !== resume || this.ws !== ws || this.state !== "reconnecting") return;
+      this.ws = null; // its late close is not ours any more
+      try {
+        ws.close();
+      } catch {}
+      this._scheduleReconnect({ code: 1006, reason: `no answer to session.resume within ${timeoutMs} ms` });
+    }, timeoutMs);
+  }
+
   _finalClose(err, info = {}) {
     if (this.state === "closed") return;
     this.state = "closed";
+    clearTimeout(this._attemptTimer);
     this._resume = null;
     for (const entry of this._sendQueue.splice(0)) settle(entry.d, false, err);
     for (const d of this._pending.values()) settle(d, false, err);
@@ -743,6 +783,7 @@ export class Session {
         return;
       }
       if (type === "session.resumed") {
+        clearTimeout(this._attemptTimer);
         this._resume = null;
         this._attempt = 0; // this connection works: the next drop starts the backoff over
         this._resendUntaken(event.client_events ?? 0);
@@ -830,6 +871,7 @@ export class Session {
     });
     const oldId = this.id;
     const fresh = this._resume.newSession;
+    clearTimeout(this._attemptTimer);
     this._resume = null;
     this._attempt = 0;
     // Calls made while reconnecting were meant for the old session: they fail

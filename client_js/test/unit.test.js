@@ -3,6 +3,7 @@
 
 import assert from "node:assert/strict";
 import { once } from "node:events";
+import { createServer } from "node:http";
 import { describe, test } from "node:test";
 import { WebSocketServer } from "ws";
 import {
@@ -427,5 +428,89 @@ describe("edges a user meets (from an audit)", () => {
     await tick(10);
     assert.equal(sock.sent.length, 1);
     await session.close();
+  });
+
+  test("a reconnect attempt with no answer is dropped after connectTimeoutMs and counts as failed", async () => {
+    const { session, sock, fake } = await fakeSession({
+      connectTimeoutMs: 30,
+      reconnect: { initialDelayMs: 1, maxDelayMs: 2, maxAttempts: 2, random: () => 0 },
+    });
+    const closed = new Promise((resolve) => session.on("close", resolve));
+    sock.drop(1006); // the attempts' sockets are never accepted: they hang
+    const info = await closed;
+    assert.equal(info.error.code, "reconnect_failed");
+    assert.equal(fake.sockets.length, 3);
+    assert.deepEqual(
+      fake.sockets.slice(1).map((s) => s.readyState),
+      [3, 3],
+    );
+  });
+});
+
+describe("a handshake the server refuses on reconnect (Node, ws)", () => {
+  /** A server whose n-th upgrade gets `answers[n]`: an HTTP status, or "accept". */
+  async function server(answers) {
+    const wss = new WebSocketServer({ noServer: true, handleProtocols: (set) => [...set][0] });
+    const http = createServer();
+    let n = 0;
+    http.on("upgrade", (req, socket, head) => {
+      const answer = answers[Math.min(n++, answers.length - 1)];
+      if (answer !== "accept") {
+        socket.end(`HTTP/1.1 ${answer} Refused\r\nContent-Length: 0\r\nConnection: close\r\n\r\n`);
+        return;
+      }
+      wss.handleUpgrade(req, socket, head, (ws) => {
+        ws.on("message", (data) => {
+          const event = JSON.parse(data.toString());
+          if (event.type !== "session.resume") return;
+          ws.send(JSON.stringify({ type: "session.created", session: { ...SESSION, id: "sess_new" }, seq: 1 }));
+          ws.send(JSON.stringify({ type: "session.resumed", session: SESSION, last_seq: 1, replayed: 0, client_events: 0 }));
+        });
+        if (n === 1) ws.send(JSON.stringify({ type: "session.created", session: SESSION, seq: 1 }));
+      });
+    });
+    http.listen(0, "127.0.0.1");
+    await once(http, "listening");
+    const stop = () => {
+      for (const c of wss.clients) c.terminate();
+      http.close();
+    };
+    return { url: `ws://127.0.0.1:${http.address().port}/v1/realtime`, wss, stop, upgrades: () => n };
+  }
+
+  const fast = { initialDelayMs: 1, maxDelayMs: 2, maxAttempts: 5, random: () => 0 };
+
+  for (const [status, code] of [[401, "unauthorized"], [403, "unauthorized"], [404, "handshake_refused"]]) {
+    test(`${status} ends the session with ${code}, no more attempts`, async () => {
+      const srv = await server(["accept", status]);
+      try {
+        const session = await connect(srv.url, { protocol: "json", apiKey: "k", reconnect: fast });
+        const closed = new Promise((resolve) => session.on("close", resolve));
+        for (const c of srv.wss.clients) c.terminate();
+        const info = await closed;
+        assert.equal(info.error.code, code);
+        assert.match(info.error.message, new RegExp(`HTTP ${status}`));
+        await tick(20);
+        assert.equal(srv.upgrades(), 2);
+      } finally {
+        srv.stop();
+      }
+    });
+  }
+
+  test("503 is retried, and the session resumes", async () => {
+    const srv = await server(["accept", 503, "accept"]);
+    try {
+      const session = await connect(srv.url, { protocol: "json", apiKey: "k", reconnect: fast });
+      const resumed = new Promise((resolve) => session.on("session.resumed", resolve));
+      for (const c of srv.wss.clients) c.terminate();
+      await resumed;
+      assert.equal(session.state, "open");
+      assert.equal(session.id, "sess_a");
+      assert.equal(srv.upgrades(), 3);
+      await session.close();
+    } finally {
+      srv.stop();
+    }
   });
 });
