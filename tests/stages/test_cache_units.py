@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import REGISTRY
 
+from tokenwire.config import ServerConfig
 from tokenwire.core.stages import StageContext
 from tokenwire.engines.base import EngineDelta, GenerationRequest, ToolCallDelta
 from tokenwire.engines.scripted import ScriptedEngine
@@ -194,10 +195,10 @@ async def test_the_key_has_the_model_the_engine_serves() -> None:
         name, model = "remote", ""
 
     engine = Remote()
-    model = served_model(engine)  # type: ignore[arg-type]
+    model = served_model(engine, ServerConfig())  # type: ignore[arg-type]
     assert model() is None
     engine.model = "llama-8b"
-    assert model() == "remote:llama-8b"
+    assert model() is not None and model().startswith("remote:llama-8b:")
     request = GenerationRequest("r", [{"role": "user", "content": "hi"}], temperature=0)
     context = StageContext("anonymous", "s", "r")
     assert cache_key("remote:llama-8b", request, "t") != cache_key("remote:llama-70b", request, "t")
@@ -213,3 +214,27 @@ async def test_the_key_has_the_model_the_engine_serves() -> None:
     out = [d async for d in cache.stream(request, context, source)]
     assert [d.text for d in out] == ["hi"] and len(calls) == 1
     assert not cache.flights and not cache.backend.entries  # type: ignore[attr-defined]
+
+
+def test_the_key_has_the_flags_that_shape_the_output() -> None:
+    """Instances sharing a Redis cache with another --tool-parser, --dtype or
+    vLLM argument would split or write text differently: their keys differ."""
+    from tokenwire.stages import served_model
+
+    class Vllm:
+        name, model = "vllm", "/models/smollm2"
+
+    engine = Vllm()
+
+    def tag(**flags: object) -> str | None:
+        return served_model(engine, ServerConfig(**flags))()  # type: ignore[arg-type]
+
+    base = tag()
+    assert base == tag()  # stable: instances with the same flags share entries
+    others = [
+        tag(tool_parser="hermes"),
+        tag(dtype="bfloat16"),
+        tag(vllm_args=("--quantization", "fp8")),
+        tag(vllm_args=("--chat-template", "/t.jinja")),
+    ]
+    assert len({base, *others}) == 1 + len(others)

@@ -4,6 +4,8 @@ from its configuration and every session's generations pass through them."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 
 from ..config import ServerConfig
@@ -15,14 +17,20 @@ from .cache_store import MemoryStore, RedisCacheStore
 from .guardrails import KeyGuardrails, build_guardrails
 
 
-def served_model(engine: Engine) -> Callable[[], str | None]:
+def served_model(engine: Engine, config: ServerConfig) -> Callable[[], str | None]:
     """What identifies the model in a cache key: the engine's kind and what it
     serves (a path, or a remote's served name), as the engine found it at
     start: `--model` may be unset, or given to vLLM alone. None before the
-    engine is ready: nothing is cached then."""
+    engine is ready: nothing is cached then.
+
+    Then a digest of the flags that shape what the model writes (`--dtype`,
+    `--tool-parser`, vLLM's own arguments after `--`): instances that share a
+    Redis cache share entries only when they would generate alike."""
+    shaping = json.dumps([config.dtype, config.tool_parser, list(config.vllm_args)])
+    flags = hashlib.sha256(shaping.encode()).hexdigest()[:16]
 
     def model() -> str | None:
-        return f"{engine.name}:{engine.model}" if engine.model else None
+        return f"{engine.name}:{engine.model}:{flags}" if engine.model else None
 
     return model
 
@@ -45,7 +53,7 @@ def build_stages(
     """The configured stages, innermost (nearest the engine) first."""
     stages: list[Stage] = []
     if config.response_cache:
-        stages.append(response_cache(config, store, served_model(engine)))
+        stages.append(response_cache(config, store, served_model(engine, config)))
     # Outside the cache: a cached answer is checked too, under this tenant's filters.
     guardrails = build_guardrails(config, keys)
     if guardrails is not None:
