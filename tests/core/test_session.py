@@ -9,9 +9,10 @@ from tokenwire.core.errors import ErrorCode, ProtocolError
 from tokenwire.core.events import AbortGeneration, StartGeneration
 from tokenwire.core.outbox import Outbox
 from tokenwire.core.session import Session, SessionLimits
-from tokenwire.engines.base import ContextLengthExceeded, EngineDelta
+from tokenwire.engines.base import ContextLengthExceeded, EngineDelta, ToolCallDelta
 
 from ..helpers.session import codes, drive, start
+from ..helpers.tools import WEATHER as WEATHER_TOOL
 
 
 class Clock:
@@ -59,6 +60,37 @@ def test_item_create_then_response_renders_chat(session: Session) -> None:
     ]
     assert req.temperature == 0 and req.max_output_tokens == 5
     assert action.response_id == rid
+
+
+def test_an_output_items_first_delta_says_where_it_went(session: Session) -> None:
+    """previous_item_id on the first delta of each item a conversation response
+    writes (a client mirroring the conversation places it), on no later delta,
+    and never for a conversation:"none" response."""
+    _, action = start(session, "hi", tools=[WEATHER_TOOL])
+    user_id = session.items[0]["id"]
+    rq = action.request.request_id
+    session.receive_engine_output(rq, EngineDelta("Let me", 1))
+    session.receive_engine_output(rq, EngineDelta(" check.", 1))
+    call = ToolCallDelta(0, "get_weather", '{"city"')
+    session.receive_engine_output(rq, EngineDelta("", 1, tool_calls=[call]))
+    more = ToolCallDelta(0, None, ': "Paris"}')
+    session.receive_engine_output(rq, EngineDelta("", 1, "stop", tool_calls=[more]))
+    deltas = [e for e in session.events_to_send() if e["type"].endswith(".delta")]
+    message_id = deltas[0]["item_id"]
+    assert [e.get("previous_item_id", "absent") for e in deltas] == [
+        user_id,
+        "absent",
+        message_id,
+        "absent",
+    ]
+    assert [i["id"] for i in session.items] == [user_id, message_id, deltas[2]["item_id"]]
+
+    apart = Session()
+    apart.events_to_send()
+    _, other = start(apart, "again", conversation="none")
+    apart.receive_engine_output(other.request.request_id, EngineDelta("no", 1, "stop"))
+    first = next(e for e in apart.events_to_send() if e["type"].endswith(".delta"))
+    assert "previous_item_id" not in first
 
 
 def test_full_response_lifecycle(session: Session, clock: Clock) -> None:

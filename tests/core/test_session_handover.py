@@ -64,6 +64,7 @@ def test_text_generation_continues_after_the_logged_tokens() -> None:
         "response.done",
     ]
     assert events[0]["item_id"] == logged[0][0][0]["item_id"]  # the same item goes on
+    assert "previous_item_id" not in events[0]  # placed by its first delta, long ago
     assert events[1]["text"] == "Hello wide world!"
     done = events[-1]["response"]
     assert done["id"] == rid and done["status"] == "completed"

@@ -108,6 +108,10 @@ def test_a_text_response_has_the_ga_lifecycle(h: Harness) -> None:
     ]
     assert frames[0]["session"]["max_output_tokens"] == "inf"
     assert frames[1]["item"]["content"] == [{"type": "input_text", "text": "hi"}]
+    # The answer follows the user's item: LiveKit's client places it by this.
+    assert (
+        frames[5]["previous_item_id"] == frames[-2]["previous_item_id"] == frames[1]["item"]["id"]
+    )
     deltas = [f for f in frames if f["type"] == "response.output_text.delta"]
     assert [(d["output_index"], d["content_index"]) for d in deltas] == [(0, 0), (0, 0)]
     done = frames[-1]["response"]
@@ -269,7 +273,7 @@ def test_core_errors_get_ga_codes_and_param_paths(h: Harness) -> None:
     h.send(ResponseCreateEvent(type="response.create", event_id="twice"))
     errors = [f["error"] for f in h.take() if f["type"] == "error"]
     assert [(e["code"], e["param"]) for e in errors] == [
-        ("invalid_value", "item_id"),
+        ("item_retrieve_invalid_item_id", "item_id"),
         ("invalid_value", "session.tools[0].name"),
         ("unknown_parameter", "session.voice_speed"),
         ("missing_required_parameter", "item.content"),
@@ -277,6 +281,41 @@ def test_core_errors_get_ga_codes_and_param_paths(h: Harness) -> None:
     ]
     assert errors[2]["message"] == "Unknown parameter: 'session.voice_speed'."
     assert errors[-1]["event_id"] == "twice"
+
+
+def test_an_unknown_item_gets_openais_code_for_what_the_event_was_doing(h: Harness) -> None:
+    """Clients switch on these (Pipecat fails a pending retrieve on
+    item_retrieve_invalid_item_id; many ignore item_delete_invalid_item_id as a
+    lost race); invalid_value would read as a fatal error."""
+    h.send({"type": "conversation.item.retrieve", "item_id": "gone", "event_id": "r"})
+    h.send({"type": "conversation.item.delete", "item_id": "gone", "event_id": "d"})
+    h.send(
+        {
+            "type": "conversation.item.create",
+            "event_id": "c",
+            "previous_item_id": "gone",
+            "item": {"type": "message", "role": "user", "content": "hi"},
+        }
+    )
+    errors = [f["error"] for f in h.take() if f["type"] == "error"]
+    assert [(e["code"], e["event_id"], e["message"]) for e in errors] == [
+        (
+            "item_retrieve_invalid_item_id",
+            "r",
+            "Error retrieving item: the item with id 'gone' does not exist.",
+        ),
+        (
+            "item_delete_invalid_item_id",
+            "d",
+            "Error deleting item: the item with id 'gone' does not exist.",
+        ),
+        (
+            "item_create_invalid_previous_item_id",
+            "c",
+            "Error adding item: the previous item with id 'gone' does not exist.",
+        ),
+    ]
+    assert all(e["type"] == "invalid_request_error" for e in errors)
 
 
 def test_an_unknown_parameter_is_quoted_short(h: Harness) -> None:

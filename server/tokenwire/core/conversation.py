@@ -43,6 +43,24 @@ def make_item(fields: dict[str, Any]) -> Item:
     return item
 
 
+# What an unknown-item error was doing, named in its message in OpenAI's
+# wording; the OpenAI dialect reads it back as OpenAI's code for each
+# (wire/openai_errors.UNKNOWN_ITEM_CODES).
+RETRIEVING, DELETING, TRUNCATING, ADDING = "retrieving", "deleting", "truncating", "adding"
+
+
+def unknown_item(
+    action: str, item_id: str, event_id: str | None, param: str = "item_id"
+) -> ProtocolError:
+    which = "the previous item" if action == ADDING else "the item"
+    return ProtocolError(
+        ErrorCode.UNKNOWN_ITEM,
+        f"Error {action} item: {which} with id {item_id!r} does not exist.",
+        event_id=event_id,
+        param=param,
+    )
+
+
 class Conversation:
     """The session's items in order, every item it knows by id (a
     conversation:"none" response's private items too), and the bytes of text
@@ -120,15 +138,10 @@ class Conversation:
             )
         return make_item(fields)
 
-    def get(self, item_id: str, event_id: str | None) -> Item:
+    def get(self, item_id: str, event_id: str | None, action: str = RETRIEVING) -> Item:
         item = self.by_id.get(item_id)
         if item is None:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_ITEM,
-                f"no item {item_id!r} in the conversation",
-                event_id=event_id,
-                param="item_id",
-            )
+            raise unknown_item(action, item_id, event_id)
         return item
 
     def check_previous(
@@ -140,12 +153,7 @@ class Conversation:
         if previous_item_id is not None and not any(
             it["id"] == previous_item_id for it in self.items
         ):
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_ITEM,
-                f"no item {previous_item_id!r} in the conversation",
-                event_id=event_id,
-                param="previous_item_id",
-            )
+            raise unknown_item(ADDING, previous_item_id, event_id, "previous_item_id")
 
     def insert(
         self, item: Item, previous_item_id: str | None = None, root: bool = False
@@ -174,13 +182,17 @@ class Conversation:
         self.history_bytes += ITEM_BYTES
         return previous
 
-    def add_output(self, context: list[Item], item: Item, in_conversation: bool) -> None:
+    def add_output(self, context: list[Item], item: Item, in_conversation: bool) -> str | None:
         """A response's output item, at its context's end; a conversation:"auto"
         response with a context of its own (OpenAI's `input`) writes it at
-        the conversation's end too, the same item (counted once)."""
-        self.append_to(context, item)
+        the conversation's end too, the same item (counted once). Returns the
+        id of the item it follows in the conversation (None: the first)."""
+        last = self.items[-1]["id"] if self.items else None
+        previous = self.append_to(context, item)
         if in_conversation and context is not self.items:
             self.items.append(item)
+            return last
+        return previous
 
     def remove_from(self, context: list[Item], item: Item) -> None:
         """Take a response's item out of its context (and the conversation)."""
@@ -192,14 +204,9 @@ class Conversation:
     def delete(self, item_id: str, busy: set[str], event_id: str | None) -> Item:
         """Take an item out of the conversation; `busy`: ids an active
         response still writes or waits on, which stay."""
-        item = self.get(item_id, event_id)
+        item = self.get(item_id, event_id, DELETING)
         if item not in self.items:  # a conversation:"none" response's own
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_ITEM,
-                f"no item {item_id!r} in the conversation",
-                event_id=event_id,
-                param="item_id",
-            )
+            raise unknown_item(DELETING, item_id, event_id)
         if item_id in busy:
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,
@@ -216,7 +223,7 @@ class Conversation:
     def truncate(self, item_id: str, text_end: int, event_id: str | None) -> Item:
         """Keep the first `text_end` characters of an assistant message (what
         the user heard)."""
-        item = self.get(item_id, event_id)
+        item = self.get(item_id, event_id, TRUNCATING)
         if item["type"] != "message" or item["role"] != "assistant":
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,

@@ -177,14 +177,13 @@ class Lifecycle:
             resp.first_token_at = self.clock()
         if text:
             item = resp.append_text(self.conversation, text)
-            self._events.append(
-                {
-                    "type": ev.RESPONSE_OUTPUT_TEXT_DELTA,
-                    "response_id": resp.id,
-                    "item_id": item["id"],
-                    "delta": text,
-                }
-            )
+            event = {
+                "type": ev.RESPONSE_OUTPUT_TEXT_DELTA,
+                "response_id": resp.id,
+                "item_id": item["id"],
+                "delta": text,
+            }
+            self._events.append(event if resp.new_item is None else resp.placed(event))
         finish = delta.finish_reason
         if calls and self._call_chunks(resp, calls):
             # A second call with parallel_tool_calls false: the first is the result.
@@ -211,14 +210,16 @@ class Lifecycle:
                 self.conversation, chunk.index, chunk.name, chunk.arguments
             )
             self._out.emit(
-                {
-                    "type": ev.RESPONSE_FUNCTION_CALL_ARGUMENTS_DELTA,
-                    "response_id": resp.id,
-                    "item_id": item["id"],
-                    "call_id": item["call_id"],
-                    "name": item["name"],
-                    "delta": chunk.arguments,
-                }
+                resp.placed(
+                    {
+                        "type": ev.RESPONSE_FUNCTION_CALL_ARGUMENTS_DELTA,
+                        "response_id": resp.id,
+                        "item_id": item["id"],
+                        "call_id": item["call_id"],
+                        "name": item["name"],
+                        "delta": chunk.arguments,
+                    }
+                )
             )
         return False
 

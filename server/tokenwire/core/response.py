@@ -56,6 +56,9 @@ class Response:
     cached_tokens: int = 0
     output_tokens: int = 0
     queue_wait_s: float = 0.0  # waiting for the engine's scheduler, all generations
+    # A conversation response's newest output item and the id of the item it
+    # follows there, until its first delta event takes it (`placed`).
+    new_item: tuple[str, str | None] | None = None
     cached_response: bool = False  # a response cache served a generation of it
     first_token_at: float | None = None
     done_at: float | None = None
@@ -81,8 +84,18 @@ class Response:
     # -- output items ----------------------------------------------------------
 
     def _add_output(self, conv: Conversation, item: Item) -> None:
-        conv.add_output(self.context, item, self.in_conversation)
+        previous = conv.add_output(self.context, item, self.in_conversation)
         self.output.append(item)
+        if self.in_conversation:
+            self.new_item = (item["id"], previous)
+
+    def placed(self, event: dict[str, Any]) -> dict[str, Any]:
+        """An item's first delta event says where the item went in the
+        conversation (`previous_item_id`), as conversation.item.created does."""
+        if self.new_item is not None and self.new_item[0] == event["item_id"]:
+            event["previous_item_id"] = self.new_item[1]
+            self.new_item = None
+        return event
 
     def append_text(self, conv: Conversation, text: str, item_id: str | None = None) -> Item:
         """Add text to the current assistant message (made on first text)."""

@@ -219,6 +219,7 @@ def replay_delta(session: Session, event: dict[str, Any]) -> None:
         resp.append_call_chunk(
             conv, index, event["name"], event["delta"], event["item_id"], event["call_id"]
         )
+    resp.new_item = None  # its first delta, which placed it, was this one or went out before
 
 
 def progress(session: Session) -> dict[str, list[Any]]:

@@ -13,10 +13,11 @@ The core's `ErrorCode` is a fixed enum, and the `error` events the core emits
   and missing parameters, OpenAI's own wording of the message.
 
 `unknown_parameter`, `missing_required_parameter`, `invalid_value`,
-`response_cancel_not_active` and `conversation_already_has_active_response` are
-the codes OpenAI sends in those cases. `invalid_json` and `server_shutting_down`
-are this dialect's choice. Codes for tokenwire-only conditions (quotas, engine
-failures, context length) keep their tokenwire spelling.
+`response_cancel_not_active`, `conversation_already_has_active_response` and
+the `item_*_invalid_*item_id` codes are the codes OpenAI sends in those cases.
+`invalid_json` and `server_shutting_down` are this dialect's choice. Codes for
+tokenwire-only conditions (quotas, engine failures, context length) keep their
+tokenwire spelling.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..core import events as ev
+from ..core.conversation import ADDING, DELETING, RETRIEVING, TRUNCATING
 from ..core.errors import ErrorCode, ProtocolError
 
 
@@ -77,9 +79,22 @@ def ga_param(param: str | None) -> str | None:
     return _INDEX.sub(r"[\1]", param) if param else None
 
 
-def ga_code(code: str, param: str | None) -> str:
+# An unknown item gets OpenAI's code for what the event was doing, which the
+# core's message names (core/conversation.unknown_item). Clients switch on
+# these: a retrieve of a deleted item, or a delete that lost a race, is not fatal.
+UNKNOWN_ITEM_CODES = {
+    f"Error {RETRIEVING} item:": "item_retrieve_invalid_item_id",
+    f"Error {DELETING} item:": "item_delete_invalid_item_id",
+    f"Error {TRUNCATING} item:": "item_truncate_invalid_item_id",
+    f"Error {ADDING} item:": "item_create_invalid_previous_item_id",
+}
+
+
+def ga_code(code: str, param: str | None, message: str = "") -> str:
     if code == ErrorCode.RESPONSE_NOT_ACTIVE and param not in (None, "response_id"):
         return GACode.INVALID_VALUE
+    if code == ErrorCode.UNKNOWN_ITEM:
+        return UNKNOWN_ITEM_CODES.get(message.partition(":")[0] + ":", GACode.INVALID_VALUE)
     return INTERNAL_TO_GA.get(code, code)
 
 
@@ -94,7 +109,9 @@ def ga_message(code: str, param: str | None, message: str) -> str:
 def ga_error(error: dict[str, Any]) -> dict[str, Any]:
     """An internal `error` map (`core.errors.error_event`) as a GA RealtimeError."""
     param = ga_param(error.get("param"))
-    code = ga_code(str(error.get("code", "server_error")), error.get("param"))
+    code = ga_code(
+        str(error.get("code", "server_error")), error.get("param"), str(error.get("message", ""))
+    )
     return {
         "type": error.get("type", "server_error"),
         "code": code,

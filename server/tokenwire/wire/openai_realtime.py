@@ -190,6 +190,7 @@ class _Out:
     arguments: str = ""
     args_done: bool = False  # response.function_call_arguments.done sent
     text: str | None = None  # from output_text.done
+    previous: str | None = None  # the item it follows in the conversation
 
 
 @dataclass(slots=True)
@@ -344,13 +345,16 @@ class OpenAIRealtime:
         resp = self._resp(rid)
         self._close_text(resp, "incomplete", frames)  # a new item after a restart
         out = self._items[item_id] = _Out(rid, len(resp.items), kind)
+        out.previous = event.get("previous_item_id")
         resp.items.append(item_id)
         if kind == "function_call":
             out.call_id, out.name = event.get("call_id", ""), event.get("name", "")
         item = self._item_of(item_id, out, "in_progress")
         frames.append(_frame("response.output_item.added", **self._at(out), item=item))
         if resp.in_conversation:
-            frames.append(_frame("conversation.item.added", item=item))
+            frames.append(
+                _frame("conversation.item.added", previous_item_id=out.previous, item=item)
+            )
         if kind == "message":
             part = {"type": "text", "text": ""}
             frames.append(
@@ -387,7 +391,9 @@ class OpenAIRealtime:
         done = ga_item(item) if item is not None else self._item_of(item_id, out, status)
         frames.append(_frame("response.output_item.done", **self._at(out), item=done))
         if self._resp(out.response_id).in_conversation:
-            frames.append(_frame("conversation.item.done", item=done))
+            frames.append(
+                _frame("conversation.item.done", previous_item_id=out.previous, item=done)
+            )
 
     def _close_text(self, resp: _Resp, status: str, frames: Frames, output: Any = None) -> None:
         if resp.text_done is not None:
