@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator
 
 import pytest
+import websockets
 from websockets.exceptions import ConnectionClosed
 
 from tokenwire.config import ServerConfig
@@ -145,6 +147,25 @@ async def test_grace_period_ends_the_session(server: RunningServer) -> None:
     assert server.server.engine.load().running == 0
     wire, _ = await resume(server.url, sid, 1)
     assert (await wire.recv())["error"]["code"] == "session_not_found"
+
+
+async def test_an_openai_client_that_drops_ends_its_session_at_once(
+    server: RunningServer,
+) -> None:
+    """GA has no session.resume: a session kept for the grace period would
+    only run its generation for no one."""
+    patient(server)  # a 60 s grace: what ends it is not the grace running out
+    ws = await websockets.connect(server.url, subprotocols=["realtime"])
+    created = json.loads(await ws.recv())
+    sid = created["session"]["id"]
+    response = {"ignore_eos": True, "max_output_tokens": 10**7}
+    await ws.send(json.dumps({"type": "response.create", "response": response}))
+    while json.loads(await ws.recv())["type"] != "response.output_text.delta":
+        pass
+    assert server.server.engine.load().running == 1
+    ws.transport.abort()  # the network drops
+    await until(lambda: sid not in server.server.sessions, what="the session ended")
+    await until(lambda: server.server.engine.load().running == 0, what="generation stopped")
 
 
 async def test_clean_close_ends_at_once(server: RunningServer) -> None:

@@ -265,8 +265,10 @@ class TokenwireServer:
             await self._release(runtime, outcome)
 
     async def _release(self, runtime: SessionRuntime, outcome: Outcome) -> None:
-        """Its socket is gone: keep the session for a resume, or end it."""
-        if outcome == "lost" and self.config.resume_grace_s > 0:
+        """Its socket is gone: keep the session for a resume, or end it (its
+        client's dialect has no resume: its generations would run for no one)."""
+        resumable = runtime.delivery.dialect.resumable
+        if outcome == "lost" and resumable and self.config.resume_grace_s > 0:
             if self.draining and self.store is not None:
                 return  # the drain hands it over (protocol.md: every session)
             if not self.draining:

@@ -28,6 +28,9 @@ class Dialect(Protocol):
     single_frame: bool
     # What the sessions of this dialect's sockets do after tool calls.
     tool_flow: ToolFlow
+    # Whether its clients can send session.resume: if not, a session whose
+    # socket is lost ends at once (nothing would ever come back for it).
+    resumable: bool
 
     def parse(self, frame: str | bytes) -> Any:
         """One client frame as an internal client event (a map the session

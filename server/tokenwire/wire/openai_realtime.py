@@ -211,6 +211,7 @@ class OpenAIRealtime:
     single_frame = False
     # GA clients run the tools, then send response.create themselves.
     tool_flow = ToolFlow.CLIENT
+    resumable = False  # session.resume is tokenwire v1's
     subprotocol = SUBPROTOCOL  # also for a socket that offered no subprotocol
 
     def __init__(self, subprotocol: str | None = None, *, ignore_audio_settings: bool = True):

@@ -20,6 +20,7 @@ class TokenwireV1:
     name = "tokenwire.v1"
     single_frame = True
     tool_flow = ToolFlow.CONTINUE
+    resumable = True
 
     def __init__(self, subprotocol: str | None = None) -> None:
         self.subprotocol = subprotocol or SUBPROTOCOL_JSON
