@@ -86,11 +86,11 @@ class LoopGauge(Collector):
     def value(self) -> int:
         return self._value[0]
 
-    def inc(self) -> None:
-        self._value[0] += 1
+    def inc(self, n: int = 1) -> None:
+        self._value[0] += n
 
-    def dec(self) -> None:
-        self._value[0] -= 1
+    def dec(self, n: int = 1) -> None:
+        self._value[0] -= n
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily(self.name, self.documentation, value=self.value)

@@ -295,7 +295,10 @@ async def test_kill_9_takeover(redis_server: RedisServer) -> None:
         # response.create and the bad cancel were taken.
         assert [r["client_events"] for r in reader.of("session.resumed")][-1:] == [2]
         with urllib.request.urlopen(b.http + "/metrics", timeout=5) as r:
-            assert "tokenwire_session_takeovers_total 1.0" in r.read().decode()
+            text = r.read().decode()
+        assert "tokenwire_session_takeovers_total 1.0" in text
+        # Counted on B from the takeover: its response.done brings it to 0, not -1.
+        assert "tokenwire_active_responses 0.0" in text
         await reader.wire.ws.close()
 
 
@@ -438,6 +441,10 @@ async def test_a_stalled_owner_is_fenced_after_a_takeover(redis_server: RedisSer
         assert done["response"]["status"] == "completed"
         assert reader.text == expected(n)
         assert http_json(b.http + "/healthz")[1]["sessions"] == 1
+        # A no longer counts the response it let go; B counted it once taken.
+        for instance in (a, b):
+            with urllib.request.urlopen(instance.http + "/metrics", timeout=5) as r:
+                assert "tokenwire_active_responses 0.0" in r.read().decode()
 
 
 async def test_hostile_resumes_get_errors_and_harm_nothing(redis_server: RedisServer) -> None:

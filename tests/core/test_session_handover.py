@@ -122,6 +122,10 @@ def test_suspend_stops_generation_without_ending_the_response() -> None:
     assert s.actions_to_perform() == [] and s.events_to_send() == []
     assert s.client_events == taken
     assert Session.restore(over_the_wire(s)).client_events == taken
+    # The slow client catches up while the hand-over waits for the aborts:
+    # nothing starts again here (the other instance continues it).
+    assert s.resume() == []
+    assert s.actions_to_perform() == []
 
 
 def test_snapshot_keeps_the_conversation_and_settings() -> None:
@@ -196,7 +200,8 @@ def _usage_after(
     takeover: bool, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A response whose first delta (with the prompt's usage) is logged only
-    as a delta batch, then continued: on the same instance, or by another."""
+    as a delta batch, then continued: on the same instance (after a pause), or
+    by another."""
     clock = [100.0]
     # The wall clock (what instances share) moves with this test's clock.
     monkeypatch.setattr(snapshots.time, "time", lambda: 1.7e9 + clock[0])
@@ -220,7 +225,7 @@ def _usage_after(
             s.replay_delta(event)
         s.restore_progress(progress)
     else:
-        s.suspend()
+        s.pause()  # the client fell behind, then caught up
     s.resume()
     (cont,) = [a for a in s.actions_to_perform() if isinstance(a, StartGeneration)]
     clock[0] += 1.0

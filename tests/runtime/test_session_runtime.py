@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tokenwire.config import ServerConfig
+from tokenwire.core.outbox import estimate_size
 from tokenwire.engines.scripted import ScriptedEngine
 from tokenwire.runtime.session_runtime import SessionRuntime
 from tokenwire.wire import dialect_for
@@ -184,3 +185,17 @@ async def test_only_events_that_change_the_session_snapshot_it(runtime: SessionR
     assert runtime.log_state([error]).snapshot is None
     state = runtime.log_state([by_type["conversation.item.created"]])
     assert state.snapshot is not None and state.client_events == 3
+
+
+async def test_a_session_resumed_its_socket_never_got_is_not_delivered_later(
+    runtime: SessionRuntime,
+) -> None:
+    """The socket dies between its replay and the writer's turn: its
+    session.resumed (that resume's last_seq and replayed) must not reach the
+    next resume's socket beside that one's own."""
+    rt = runtime
+    rt.push_resumed(last_seq=0, replayed=0)  # queued first; the writer has not run
+    await rt.detach("lost")
+    queued = [e["type"] for e in rt.delivery.outbox]
+    assert "session.resumed" not in queued
+    assert rt.delivery.outbox.pending_bytes == sum(estimate_size(e) for e in rt.delivery.outbox)

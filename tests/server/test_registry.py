@@ -1,4 +1,5 @@
-"""The registry's background writes at shutdown: finished, or cut off."""
+"""The registry: its background writes at shutdown (finished, or cut off), and
+the end of a resume's grace period."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 
 from tokenwire.config import ServerConfig
 from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.runtime.session_runtime import RuntimeState
 from tokenwire.server.admission import Limiter
 from tokenwire.server.registry import Registry
 
@@ -42,3 +44,23 @@ async def test_settle_cancels_a_write_that_outlives_its_bound() -> None:
     await reg.settle(0.1)
     await asyncio.sleep(0)
     assert task.cancelled()
+
+
+async def test_a_resume_between_the_grace_ending_and_its_task_keeps_the_session() -> None:
+    """The grace timer fires and spawns the ending; a resume attaches (with no
+    await) before that task runs. The resumed session stays."""
+    reg = registry()
+    rt = await reg.new_session(reg.limiter.usage("k"), "tokenwire.v1.json")
+    rt.state = RuntimeState.DETACHED
+    reg._expire(rt)  # the grace period is over: ending it is spawned
+    rt.state = RuntimeState.ATTACHED  # a resume took it meanwhile
+    await reg.settle(5.0)
+    assert reg.sessions.get(rt.session.id) is rt
+    assert rt.state is RuntimeState.ATTACHED
+    await reg.end_session(rt)
+    # Without the resume, it ends.
+    rt = await reg.new_session(reg.limiter.usage("k"), "tokenwire.v1.json")
+    rt.state = RuntimeState.DETACHED
+    reg._expire(rt)
+    await reg.settle(5.0)
+    assert rt.session.id not in reg.sessions and rt.state is RuntimeState.ENDED

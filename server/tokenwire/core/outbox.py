@@ -59,6 +59,13 @@ class Outbox:
         self.queue = _NONE
         self.pending_bytes = 0
 
+    def discard(self, kind: str) -> None:
+        """Drop the queued (not yet numbered) events of type `kind`."""
+        if any(e["type"] == kind for e in self.queue):
+            kept = [e for e in self.queue if e["type"] != kind]
+            self.queue = deque(kept)
+            self.pending_bytes = sum(estimate_size(e) for e in kept)
+
     def pop(self, *, merge: bool = False) -> dict[str, Any] | None:
         if not self.queue:
             return None

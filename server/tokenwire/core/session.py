@@ -477,8 +477,9 @@ class Session:
 
     def resume(self) -> list[str]:
         """The client drained (or the session was taken over): continue
-        paused generations after their tokens."""
-        return self.lifecycle.resume()
+        paused generations after their tokens. A closed session (suspended
+        for a hand-over: a client may catch up meanwhile) starts nothing."""
+        return [] if self.closed else self.lifecycle.resume()
 
     def suspend(self) -> None:
         """Stop every generation without ending its response: the session is

@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Awaitable
 from typing import Any
 
+from .. import metrics
 from ..core.schema import SessionResume
 from ..logs import get_logger
 from ..wire.close_codes import CLOSE_SERVICE_RESTART
@@ -95,6 +96,9 @@ def _resumed_remotely(rt: SessionRuntime, last_seq: int) -> None:
 def continue_restored(rt: SessionRuntime) -> None:
     """A taken-over session: continue its generations (logged while no
     socket is attached) and re-arm its tool timeouts."""
+    # Counted here from now: their response.done comes here, their
+    # response.created came on the old owner.
+    metrics.ACTIVE_RESPONSES.inc(len(rt.session.active_responses))
     rt.session.resume()
     rt.pump()
     rt.delivery.start_writer()
@@ -108,6 +112,7 @@ async def hand_over(rt: SessionRuntime) -> None:
         return
     rt.cancel_timers()
     rt.session.suspend()
+    metrics.ACTIVE_RESPONSES.dec(len(rt.session.active_responses))  # they end elsewhere
     rt.pump()
     await rt.wait_generations()
     await rt.delivery.hand_over(rt.session.snapshot)

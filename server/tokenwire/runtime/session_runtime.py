@@ -369,6 +369,7 @@ class SessionRuntime:
         self.state = RuntimeState.HANDED_OVER
         self.delivery.stopped = True
         self.cancel_timers()
+        metrics.ACTIVE_RESPONSES.dec(len(self.session.active_responses))  # they end elsewhere
         self.session.abandon()
         self.pump()
         if self.on_moved is not None:

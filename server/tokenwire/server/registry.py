@@ -24,6 +24,9 @@ from .admission import KeyUsage, Limiter
 from .collector import COLLECTOR
 from .memory import Reclaimer
 
+# A session with no socket of its own here, waiting for a resume.
+_WAITING = frozenset({RuntimeState.DETACHED, RuntimeState.REMOTE})
+
 
 class Registry:
     def __init__(
@@ -214,9 +217,15 @@ class Registry:
         )
 
     def _expire(self, runtime: SessionRuntime) -> None:
-        if runtime.state in (RuntimeState.DETACHED, RuntimeState.REMOTE):
+        if runtime.state in _WAITING:
+            self._spawn(self._expired(runtime))
+
+    async def _expired(self, runtime: SessionRuntime) -> None:
+        # Checked again when the task runs: a resume may have taken the
+        # session in between (it attaches without an await).
+        if runtime.state in _WAITING:
             runtime.log.info("resume_grace_over")
-            self._spawn(self.end_session(runtime))
+            await self.end_session(runtime)
 
     async def end_session(self, runtime: SessionRuntime) -> None:
         self.forget(runtime)
