@@ -27,7 +27,6 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 from websockets.protocol import State
 
-from ..core import events as ev
 from ..core.outbox import Outbox
 from ..storage.eventlog import EventLog, Fenced, Frame, LogState
 from ..wire import Dialect
@@ -206,9 +205,6 @@ class Delivery:
         self.live = False
         self._stop_clocks()
         self.ws = None
-        # A session.resumed its socket never got describes that socket's
-        # resume: the next resume must not deliver it too.
-        self.outbox.discard(ev.SESSION_RESUMED)
         if self.log.durable:
             self._wake()  # what a dead socket (or a replay) paused goes on into the log
         else:

@@ -300,6 +300,9 @@ class SessionRuntime:
             return None
 
     async def detach(self, outcome: Any) -> None:
+        # A session.resumed its socket never got describes that socket's
+        # resume: the next resume must not deliver it too.
+        self.delivery.outbox.discard(ev.SESSION_RESUMED)
         await self.delivery.detach()
         if self.state is RuntimeState.ATTACHED:
             self.state = RuntimeState.DETACHED
