@@ -175,12 +175,23 @@ async def test_retrieve_and_delete_an_item(scripted: RunningServer) -> None:
 
         await ga.conn.conversation.item.retrieve(item_id="msg_second", event_id="get_2")
         error = (await ga.error()).error
-        assert (error.code, error.param, error.event_id) == ("invalid_value", "item_id", "get_2")
+        assert (error.code, error.param, error.event_id) == (
+            "item_retrieve_invalid_item_id",
+            "item_id",
+            "get_2",
+        )
+        assert (
+            error.message == "Error retrieving item: the item with id 'msg_second' does not exist."
+        )
         assert error.type == "invalid_request_error"
 
         await ga.conn.conversation.item.delete(item_id="msg_second", event_id="del_2")
         error = (await ga.error()).error
-        assert (error.code, error.param, error.event_id) == ("invalid_value", "item_id", "del_2")
+        assert (error.code, error.param, error.event_id) == (
+            "item_delete_invalid_item_id",
+            "item_id",
+            "del_2",
+        )
 
         # The deleted message is out of the prompt too: the answer is to "first".
         await ga.conn.response.create()
