@@ -277,9 +277,16 @@ def test_function_call_output_for_unknown_call(session: Session) -> None:
 def test_duplicate_item_id(session: Session) -> None:
     item = {"type": "message", "role": "user", "content": "x", "id": "mine"}
     drive(session, {"type": "conversation.item.create", "item": item})
-    assert codes(drive(session, {"type": "conversation.item.create", "item": item})) == [
-        "duplicate_item_id"
-    ]
+    (error,) = drive(session, {"type": "conversation.item.create", "item": item})
+    assert (error["error"]["code"], error["error"]["param"]) == ("duplicate_item_id", "item.id")
+    # In a response's input, the param names the input item.
+    other = {"type": "message", "role": "user", "content": "y"}
+    response = {"conversation": "none", "input": [other, item]}
+    (error,) = drive(session, {"type": "response.create", "response": response})
+    assert (error["error"]["code"], error["error"]["param"]) == (
+        "duplicate_item_id",
+        "response.input.1.id",
+    )
 
 
 def test_seq_rises_by_one_on_every_event(session: Session) -> None:

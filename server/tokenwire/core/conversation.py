@@ -99,8 +99,8 @@ class Conversation:
         session follows a copy of that call (the model sees what it answers);
         without it, tokenwire v1's rule refuses them."""
         inputs = [
-            self.new_item(raw, event_id)
-            for raw in raw_inputs
+            self.new_item(raw, event_id, f"response.input.{i}.id")
+            for i, raw in enumerate(raw_inputs)
             if calls is not None or isinstance(raw, MessageItem)
         ]
         if len({i["id"] for i in inputs}) < len(inputs):
@@ -127,14 +127,19 @@ class Conversation:
         # Copies: the conversation's items go on changing (truncate, delete).
         return [dict(item) for item in context]
 
-    def new_item(self, raw: MessageItem | FunctionCallOutputItem, event_id: str | None) -> Item:
+    def new_item(
+        self,
+        raw: MessageItem | FunctionCallOutputItem,
+        event_id: str | None,
+        param: str = "item.id",
+    ) -> Item:
         fields = raw.model_dump(exclude_none=True)
         if fields.get("id") in self.by_id:
             raise ProtocolError(
                 ErrorCode.DUPLICATE_ITEM_ID,
                 f"an item {fields['id']!r} already exists",
                 event_id=event_id,
-                param="item.id",
+                param=param,
             )
         return make_item(fields)
 
