@@ -177,6 +177,30 @@ async def test_releases_are_whole_deltas_cut_between_words() -> None:
     assert len(out) > 2  # it streamed, holding back only the window
 
 
+async def test_text_without_spaces_streams_too() -> None:
+    """Chinese, Japanese or Thai has no space between words: it is cut between
+    two of its characters, not held to the end (and rescanned at each delta)."""
+    text = "这是一个很长的回答，我们一个字一个字地生成它，看看它是否在结束之前就流出来了。"
+    pieces = list(text)
+    out = await run(stage(Blocklist(["re:秘密"]), lookahead=10), Source(pieces))
+    assert delivered(out) == text
+    assert len(out) > 10  # it streamed, holding back only the window
+    for d in out[:-1]:
+        assert d.finish_reason is None
+    # A blocked phrase is still caught before any of it leaves.
+    blocked = await run(
+        stage(Blocklist(["re:秘密"]), lookahead=10), Source(list("这是秘密文件内容"))
+    )
+    assert "秘" not in delivered(blocked)
+    assert blocked[-1].finish_reason == CONTENT_FILTER
+    # Latin text next to such a script is still cut only between words.
+    mixed = list("中文abc中文") + list("defghijklmnopqrstuvwxyz")
+    out = await run(stage(Blocklist(["zebra"]), lookahead=5), Source(mixed))
+    released_ends = [len(delivered(out[: i + 1])) for i in range(len(out) - 1)]
+    # Only between two of the ideographs: never next to or inside "abc" or the rest.
+    assert released_ends and set(released_ends) <= {1, 6}
+
+
 async def test_tool_calls_pass_after_the_checked_text() -> None:
     call = ToolCallDelta(0, "lookup", "{}")
     source = Source(["Let", " me", " check"], finish="stop")

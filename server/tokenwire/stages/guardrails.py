@@ -110,6 +110,22 @@ def _merge(held: list[EngineDelta], text: str, finish: str | None = None) -> Eng
 
 
 _WHITESPACE_RUN = re.compile(r"\s{2,}")
+# Scripts written without spaces between words (CJK ideographs and their
+# punctuation, kana, fullwidth forms, Thai, Lao, Myanmar, Khmer): text in them
+# may be cut between any two of their characters, or it would be held to the end.
+_UNSPACED = re.compile(
+    "[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3000-\u30ff"
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]"
+)
+
+
+def _cuttable(text: str, at: int) -> bool:
+    """Between two words: next to whitespace, or between two characters of a
+    script written without spaces."""
+    before, after = text[at - 1], text[at]
+    if before.isspace() or after.isspace():
+        return True
+    return bool(_UNSPACED.match(before) and _UNSPACED.match(after))
 
 
 def _held_from(text: str, n: int) -> int:
@@ -145,7 +161,7 @@ class Window:
     def releasable(self, held: int = 0) -> EngineDelta | None:
         """The longest run of whole deltas that leaves `lookahead` characters
         (and the last `held`, which a filter holds) and ends between two
-        words; None if there is none. A run of whitespace counts as one
+        words (`_cuttable`); None if there is none. A run of whitespace counts as one
         character: filters match phrases across any whitespace ("top   secret")."""
         text, limit = self.text, len(self.text) - self.lookahead
         if _WHITESPACE_RUN.search(text, max(limit, 0)):
@@ -156,7 +172,7 @@ class Window:
             end += len(d.text)
             if end > limit:
                 break
-            if end < len(text) and (text[end].isspace() or text[end - 1].isspace()):
+            if end < len(text) and _cuttable(text, end):
                 cut = i + 1
         if not cut:
             return None
