@@ -198,7 +198,7 @@ async def test_a_replica_sending_garbage_hands_over_with_the_ids_so_far() -> Non
         lambda b: Reply(200, content=sse(token("Hel", 11), token("lo", 12), "this is not json")),
     )
     b = Fake(
-        lambda b: Reply(200, content=sse(token(" there", 13), token("!", 14, "stop"), usage(128))),
+        lambda b: Reply(200, content=sse(token(" there", 13), token("!", 14, "stop"), usage(20))),
     )
     engine = await started(a, b)
     failed_before = failures(a.url), failures(b.url)
@@ -221,7 +221,7 @@ async def test_a_replica_sending_garbage_hands_over_with_the_ids_so_far() -> Non
     # Usage: the prompt once, on the first delta; the cached count at the end.
     assert deltas[0].prompt_tokens == len(prompt)
     assert [d.prompt_tokens for d in deltas[1:]] == [None, None, 0]
-    assert deltas[-1].cached_tokens == 128 and deltas[-1].finish_reason == "stop"
+    assert deltas[-1].cached_tokens == 20 and deltas[-1].finish_reason == "stop"
 
 
 async def test_an_error_about_the_request_does_not_fail_over() -> None:
@@ -264,6 +264,21 @@ async def test_a_stream_that_ends_unfinished_fails_over() -> None:
     assert b.bodies[0]["token_ids"][-1] == 1
 
 
+async def test_cached_tokens_never_exceed_the_prompt_after_a_resubmission() -> None:
+    """A lone replica's stream breaks; the resubmission (prompt + ids so far)
+    hits its warm cache, which counts the ids too."""
+    replies = [
+        Reply(200, content=b"data: " + json.dumps(token("A", 1)).encode() + b"\n\n"),
+        Reply(200, content=sse(token("B", 2, "stop"), usage(5000))),
+    ]
+    a = Fake(lambda b: replies.pop(0))
+    engine = await started(a)
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "AB"
+    prompt = deltas[0].prompt_tokens
+    assert prompt is not None and deltas[-1].cached_tokens == prompt
+
+
 async def test_requests_carry_session_priority_and_a_forced_tool_schema() -> None:
     a = Fake(
         lambda b: Reply(
@@ -283,6 +298,8 @@ async def test_requests_carry_session_priority_and_a_forced_tool_schema() -> Non
     )
     body, headers = a.bodies[0], a.headers[0]
     assert headers["X-Affinity"] == "sess-9" and "X-Session-ID" not in headers
+    # vLLM names the request by X-Request-Id when there is one: the abort's id.
+    assert headers["X-Request-Id"] == body["request_id"] == "r1"
     assert body["priority"] == 5 and body["cache_salt"] == "tenant-1"
     schema = body["sampling_params"]["structured_outputs"]["json"]
     assert schema["type"] == "object" and "city" in schema["properties"]
@@ -334,8 +351,9 @@ def test_chunks_and_errors_are_classified() -> None:
             parse_chunk(json.dumps(wrong), "http://x")
     with pytest.raises(ReplicaFailed, match="not JSON"):
         parse_chunk(b'{"choices": [{"text": "\xff", "token_ids": [1]}]}', "http://x")
-    # A missing endpoint, auth or routing is the server's fault: another replica may do.
-    for status in (401, 403, 404, 405, 421):
+    # A missing endpoint, auth or routing, any other 4xx (as documented) or an
+    # unexpected 2xx is the server's fault: another replica may do.
+    for status in (401, 403, 404, 405, 409, 410, 415, 421, 431, 451, 201, 204):
         assert isinstance(error_for(status, '{"detail": "Not Found"}', "http://x"), ReplicaFailed)
     for status in (400, 413, 422):
         assert type(error_for(status, "", "http://x")) is RequestError
@@ -408,6 +426,52 @@ async def test_keep_alives_alone_do_not_keep_a_stream_alive() -> None:
     deltas = await asyncio.wait_for(run(engine, ask(session_id=None)), 30)  # else: forever
     assert "".join(d.text for d in deltas) == "AB"
     assert b.bodies[0]["token_ids"][-1] == 1 and not engine.replicas[0].up
+
+
+async def test_empty_chunks_alone_do_not_keep_a_stream_alive() -> None:
+    """`data: {}` over and over is no more life than a keep-alive comment."""
+
+    async def empty() -> AsyncIterator[bytes]:
+        yield b"data: " + json.dumps(token("A", 1)).encode() + b"\n\n"
+        while True:
+            await asyncio.sleep(0.05)
+            yield b"data: {}\n\n"
+
+    a = Fake(lambda b: Reply(200, content=empty()))
+    b = Fake(lambda b: Reply(200, content=sse(token("B", 2, "stop"))))
+    engine = await started(a, b, remote_timeout_s=0.5)
+    deltas = await asyncio.wait_for(run(engine, ask(session_id=None)), 30)  # else: forever
+    assert "".join(d.text for d in deltas) == "AB"
+    assert b.bodies[0]["token_ids"][-1] == 1
+
+
+async def test_a_stream_that_goes_on_after_its_end_is_left() -> None:
+    """After the finishing chunk only the usage may come: chunks without end
+    do not hold the finish back."""
+
+    async def endless() -> AsyncIterator[bytes]:
+        yield b"data: " + json.dumps(token("A", 1, "stop")).encode() + b"\n\n"
+        while True:
+            await asyncio.sleep(0.01)
+            yield b"data: " + json.dumps(token("x", 9)).encode() + b"\n\n"
+
+    a = Fake(lambda b: Reply(200, content=endless()))
+    engine = await started(a)
+    deltas = await asyncio.wait_for(run(engine, ask()), 30)  # else: forever
+    assert "".join(d.text for d in deltas) == "A" and deltas[-1].finish_reason == "stop"
+
+
+async def test_a_server_that_ignores_max_tokens_is_cut_at_it() -> None:
+    async def runaway() -> AsyncIterator[bytes]:
+        for i in range(1000):
+            yield b"data: " + json.dumps(token(f" w{i}", 100 + i)).encode() + b"\n\n"
+
+    a = Fake(lambda b: Reply(200, content=runaway()))
+    engine = await started(a)
+    deltas = await asyncio.wait_for(run(engine, ask(max_output_tokens=3)), 30)
+    assert "".join(d.text for d in deltas) == " w0 w1 w2"
+    assert sum(d.output_tokens for d in deltas) == 3
+    assert deltas[-1].finish_reason == "length"
 
 
 async def test_nothing_after_the_finishing_chunk_is_passed_on() -> None:
@@ -494,6 +558,24 @@ async def test_a_prompt_slow_everywhere_is_served_by_the_last_replica_tried() ->
     assert "".join(d.text for d in deltas) == "late"
     assert (len(a.bodies), len(b.bodies)) == (1, 1)
     assert not engine.replicas[0].up and engine.replicas[1].up
+
+
+async def test_the_last_replica_up_waits_for_its_first_token() -> None:
+    """One of two replicas is down (it goes last): the one that is up is the
+    last that works, so a slow prefill there is waited for, not cut off and
+    done again after the down one failed."""
+
+    async def slow() -> AsyncIterator[bytes]:
+        await asyncio.sleep(1.5)
+        yield sse(token("late", 9, "stop"))
+
+    a, b = Fake(lambda b: Reply(200, content=slow())), Fake(lambda b: Reply(500))
+    engine = await started(a, b, remote_ttft_timeout_s=1.0)
+    engine.replicas[1].state = "down"  # failed earlier; its probe has not run yet
+    deltas = await run(engine, ask(session_id=None))
+    assert "".join(d.text for d in deltas) == "late"
+    assert (len(a.bodies), len(b.bodies)) == (1, 0)
+    assert engine.replicas[0].up and engine.replicas[0].failures == 0
 
 
 async def test_one_replica_waits_for_its_first_token() -> None:
@@ -632,7 +714,7 @@ async def test_auto_tool_calls_go_through_the_configured_vllm_parser() -> None:
     chunks[-1]["choices"][0]["finish_reason"] = "stop"
     a = Fake(lambda b: Reply(200, content=sse(*chunks, usage(0))))
     engine = await started(a, tool_parser="hermes")
-    deltas = await run(engine, ask(tools=[WEATHER], tool_choice="auto"))
+    deltas = await run(engine, ask(tools=[WEATHER], tool_choice="auto", max_output_tokens=100))
     assert a.bodies[0]["sampling_params"]["skip_special_tokens"] is False
     assert "".join(d.text for d in deltas).strip() == "Let me check."
     calls = [c for d in deltas for c in d.tool_calls or ()]
@@ -712,6 +794,21 @@ async def test_a_server_error_mid_stream_hands_over() -> None:
     deltas = await run(engine, ask())
     assert "".join(d.text for d in deltas) == "Hello"
     assert b.bodies[0]["token_ids"][-1] == 11 and engine.replicas[0].failures == 1
+
+
+async def test_a_request_the_replica_aborted_goes_on_elsewhere() -> None:
+    """vLLM shutting down (SIGTERM: docker stop, a rolling restart) ends its
+    requests with finish_reason "abort": not the answer's end. The next
+    replica continues after every id so far, the aborting chunk's included."""
+    aborted = {"choices": [{"index": 0, "text": "l", "token_ids": [12], "finish_reason": "abort"}]}
+    a = Fake(lambda b: Reply(200, content=sse(token("He", 11), aborted, usage(0))))
+    b = Fake(lambda b: Reply(200, content=sse(token("lo", 13, "stop"), usage(0))))
+    engine = await started(a, b)
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "Hello"
+    assert [d.finish_reason for d in deltas][-1] == "stop"
+    assert b.bodies[0]["token_ids"][-2:] == [11, 12]
+    assert engine.replicas[0].failures == 1
 
 
 async def test_a_stream_stalled_mid_answer_hands_over_after_the_read_timeout() -> None:

@@ -38,6 +38,8 @@ from .remote_http import (
     COMPLETIONS_PATH,
     GENERATE_ID_PREFIX,
     GENERATE_PATH,
+    MAX_LINE,
+    PROMPT_ID_BYTES,
     Chunk,
     ReplicaFailed,
     client_session,
@@ -65,6 +67,10 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
 
 log = get_logger("tokenwire.engines.remote")
+
+
+# Chunks read after the finishing one while waiting for its usage.
+AFTER_END_CHUNKS = 8
 
 
 @dataclass(slots=True)
@@ -220,7 +226,13 @@ class RemoteEngine:
                         # first delta; the cached count, which vLLM reports
                         # only at the end, on the last one with a prompt of 0.
                         prompt_tokens=len(prompt) if first else (0 if chunk.usage else None),
-                        cached_tokens=chunk.cached_tokens if chunk.usage else None,
+                        # At most the prompt: a resubmission sent prompt +
+                        # the ids so far, and its cache hit counts them too.
+                        cached_tokens=(
+                            min(chunk.cached_tokens, len(prompt))
+                            if chunk.usage and chunk.cached_tokens is not None
+                            else None
+                        ),
                         tool_calls=calls or None,
                         token_ids=list(chunk.token_ids),
                     )
@@ -236,14 +248,17 @@ class RemoteEngine:
         # Two rounds: a replica whose stream broke may be reached again on a
         # fresh connection (a dropped keep-alive connection fails like a dead
         # server), and a lone replica gets one resubmission.
-        order = replica_order(self.replicas, request.session_id) * 2
-        for attempt, replica in enumerate(order):
+        first_round = replica_order(self.replicas, request.session_id)
+        n = len(first_round)
+        # The last replica that is up waits for its first token however long
+        # (a prompt slow to prefill is slow everywhere), and so does every
+        # attempt after the first round's last: the down ones go last.
+        last_up = max((i for i, r in enumerate(first_round) if r.up), default=-1)
+        for attempt, replica in enumerate(first_round * 2):
             if attempt and plan.schema is not None and plan.produced:
                 break  # a grammar cannot restart mid-output on another server
             try:
-                # The last replica of the first round waits for its first token
-                # however long: a prompt slow to prefill is slow everywhere.
-                patient = attempt >= len(self.replicas) - 1
+                patient = attempt >= (last_up if last_up >= 0 else n - 1)
                 attempt_chunks = self._attempt(replica, request, plan, attempt, patient)
                 async with aclosing(attempt_chunks) as chunks:
                     async for chunk in chunks:
@@ -296,7 +311,9 @@ class RemoteEngine:
         else:
             path = COMPLETIONS_PATH
             body = completions_body(replica.model, ids, params, priority, salt)
-        headers = {}
+        # vLLM takes a request's id from X-Request-Id when there is one (a
+        # gateway may add its own): ours, so the abort below finds it.
+        headers = {"X-Request-Id": rid}
         if request.session_id:
             headers[self.config.remote_session_header] = request.session_id
         streaming = False
@@ -319,21 +336,44 @@ class RemoteEngine:
                         raise error_for(resp.status, text, replica.url)
                     streaming = True
                     silent_s = self.config.remote_timeout_s
-                    async for data in sse_data(resp.content, replica.url, silent_s):
+                    said_at = time.monotonic()  # the last chunk with something in it
+                    after_end = 0
+                    longest = MAX_LINE + PROMPT_ID_BYTES * len(ids)  # the prompt's echo
+                    async for data in sse_data(resp.content, replica.url, silent_s, longest):
                         chunk = parse_chunk(data, replica.url, replica.model)
                         if chunk.usage:
                             if final is not None:
                                 final.cached_tokens = chunk.cached_tokens
+                                break  # the stream's end: nothing else is read
                             continue
                         if final is not None:
-                            continue  # past the end: nothing may follow the last token
-                        if not (chunk.text or chunk.token_ids or chunk.finish_reason):
+                            # Past the end: nothing may follow the last token. The
+                            # usage may still come; a stream that never ends won't.
+                            after_end += 1
+                            if after_end > AFTER_END_CHUNKS:
+                                break
                             continue
+                        if not (chunk.text or chunk.token_ids or chunk.finish_reason):
+                            # `data: {}` alone is no more life than a keep-alive.
+                            if silent_s and time.monotonic() - said_at > silent_s:
+                                raise ReplicaFailed(
+                                    f"{replica.url} sent only empty chunks for {silent_s:g} s"
+                                )
+                            continue
+                        said_at = time.monotonic()
                         if sent_at:
                             TTFT.labels(replica.url).observe(time.monotonic() - sent_at)
                             sent_at = 0.0
                             clock.reschedule(None)  # disarmed before anything is yielded
                         plan.produced.extend(chunk.token_ids)
+                        if len(plan.produced) > plan.budget:
+                            raise ReplicaFailed(f"{replica.url} went on past max_tokens")
+                        if chunk.finish_reason == "abort":
+                            # vLLM aborted it (shut down, or paused with abort):
+                            # not the answer's end; it goes on elsewhere.
+                            if chunk.text or chunk.token_ids:
+                                yield Chunk(chunk.text, chunk.token_ids)
+                            raise ReplicaFailed(f"{replica.url} aborted the request")
                         if chunk.finish_reason is not None:
                             final = chunk  # held until the usage chunk that follows it
                         else:

@@ -42,6 +42,9 @@ KEEPALIVE_S = 4.0  # below the 5 s uvicorn (vLLM's server) keeps an idle connect
 # aiohttp joins a line's pieces by copying, so its CPU grows with the square
 # of its length (measured: 64 MiB took 39 s of the loop, 4 MiB about 0.1 s).
 MAX_LINE = 4 * 2**20
+# /v1/completions with return_token_ids echoes the prompt's ids in its first
+# chunk: up to this many bytes an id (a 7-digit id, its comma and space).
+PROMPT_ID_BYTES = 12
 # What of an error answer is read: its message, not an endless or trickled body.
 MAX_ERROR_BODY = 64 * 1024
 ERROR_BODY_S = 5.0
@@ -222,13 +225,13 @@ def _count(value: object) -> int:
 
 
 async def sse_data(
-    content: aiohttp.StreamReader, url: str, silent_s: float
+    content: aiohttp.StreamReader, url: str, silent_s: float, max_line: int = MAX_LINE
 ) -> AsyncIterator[bytes]:
     """The `data:` payloads of an SSE stream, up to `[DONE]`. Keep-alive
     comments reset the read timeout but are no data: a stream of nothing
     else for `silent_s` fails like a silent one."""
     last = time.monotonic()
-    while line := await content.readline(max_line_length=MAX_LINE):
+    while line := await content.readline(max_line_length=max_line):
         if not line.startswith(b"data:"):
             # Blank separators, comments, keep-alives: a clock read, not one per token.
             if silent_s and time.monotonic() - last > silent_s:
@@ -256,12 +259,16 @@ def message_of(body: str) -> str:
     return body[:500]
 
 
+REQUEST_FAULTS = frozenset({400, 413, 422})
+
+
 def error_for(status: int, body: str, url: str) -> EngineError:
     """An HTTP error: the server's fault (another replica may do) or the request's."""
     message = message_of(body)
-    # Missing endpoint, auth or routing (a replica restarted without
-    # --enable-scale-out, a proxy in front): this server's fault, not the request's.
-    if status >= 500 or status in (401, 403, 404, 405, 408, 421, 429):
+    # Only these are about the request itself. Anything else (5xx, a missing
+    # endpoint, auth or routing: a replica restarted without --enable-scale-out,
+    # a proxy in front, an unexpected 2xx) is this server's fault, not the request's.
+    if status not in REQUEST_FAULTS:
         return ReplicaFailed(f"{url} answered {status}: {message}")
     lowered = message.lower()
     if "context length" in lowered or "max_model_len" in lowered or "too long" in lowered:
