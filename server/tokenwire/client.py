@@ -104,6 +104,8 @@ class Client:
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._responses: dict[str, Response] = {}
+        # Cancels waiting for a response.done they cannot name (client_response.cancel_reply).
+        self._cancel_waiters: set[asyncio.Future[dict[str, Any]]] = set()
         # create_response's event_id -> its Response once created: the
         # response may be done, and gone from _responses, before the call returns.
         self._created: dict[str, Response | None] = {}
@@ -176,24 +178,31 @@ class Client:
         event_id = event.setdefault("event_id", f"evt_{next(self._ids)}")
         future = asyncio.get_running_loop().create_future()
         self._pending[event_id] = future
+        cancelled = asyncio.get_running_loop().create_future()
+        # Chosen before the send, which may wait: the response may end meanwhile.
+        target = self._cancel_target(event)
         try:
+            if event.get("type") == "response.cancel":
+                self._cancel_waiters.add(cancelled)
             await self._send(event)
             if event.get("type") == "response.cancel":
-                return await self._cancelled(event, future)
+                return await cancel_reply(target, future, cancelled)
             return await future
         finally:
             self._pending.pop(event_id, None)
+            self._cancel_waiters.discard(cancelled)
             if future.done() and not future.cancelled():
                 future.exception()  # failed with the send: retrieved here
 
-    async def _cancelled(
-        self, event: dict[str, Any], refused: asyncio.Future[dict[str, Any]]
-    ) -> dict[str, Any]:
-        """The `response.done` a cancel brought, or its error."""
-        target = event.get("response_id")
-        if target is None and len(self._responses) == 1:
-            target = next(iter(self._responses))
-        return await cancel_reply(self._responses.get(target) if target else None, refused)
+    def _cancel_target(self, event: dict[str, Any]) -> Response | None:
+        """The response a cancel stops, as the server picks it (protocol.md §5)."""
+        if event.get("type") != "response.cancel":
+            return None
+        if (rid := event.get("response_id")) is not None:
+            return self._responses.get(rid)
+        live = list(self._responses.values())
+        auto = [r for r in live if r.created["response"].get("conversation") == "auto"]
+        return auto[0] if auto else (live[0] if len(live) == 1 else None)
 
     async def _send(self, event: dict[str, Any]) -> None:
         try:
@@ -431,6 +440,12 @@ class Client:
             response._feed(event)
             if kind == _TERMINAL:
                 del self._responses[response_id]
+        if kind == _TERMINAL and self._cancel_waiters:
+            details = event["response"].get("status_details") or {}
+            if details.get("reason") == "client_cancelled":
+                for waiter in self._cancel_waiters:
+                    if not waiter.done():
+                        waiter.set_result(event)
         if kind == "response.function_call_arguments.done" and event["name"] in self.tool_handlers:
             task = asyncio.create_task(self._run_tool(event))
             self._tool_tasks.add(task)

@@ -111,17 +111,21 @@ class Response:
 
 
 async def cancel_reply(
-    response: Response | None, refused: asyncio.Future[dict[str, Any]]
+    response: Response | None,
+    refused: asyncio.Future[dict[str, Any]],
+    cancelled: asyncio.Future[dict[str, Any]],
 ) -> dict[str, Any]:
     """What a `response.cancel` request returns: the `response.done` of
-    `response` (None: not known here), or the server's error about it."""
-    if response is None:
-        return await refused  # nothing here to cancel: the server says why
-    ended = asyncio.ensure_future(response.done())
+    `response`, or the server's error about it. With no `response` known here
+    (its response.create still on the wire, say), the next `response.done`
+    of a response cancelled by the client (`cancelled`)."""
+    ended = asyncio.ensure_future(response.done()) if response is not None else cancelled
     try:
         await asyncio.wait({refused, ended}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         ended.cancel()
     if refused.done():
         return refused.result()  # raises the error
+    if response is None:
+        return ended.result()
     return {"type": TERMINAL, "response": await response.done()}

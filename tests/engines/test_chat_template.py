@@ -236,3 +236,36 @@ def test_a_tokenizer_that_can_swallow_text_gets_no_bound() -> None:
     assert template.max_token_chars == max(map(len, tokenizer.get_vocab()))
     tokenizer.add_tokens([AddedToken("<sep>", lstrip=True, rstrip=True)])
     assert ChatTemplate(tokenizer).max_token_chars is None
+
+
+TOOL_USE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}CALL {{ c['function']['name'] }}"
+    "{{ c['function']['arguments']['city'] }}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_tokenizer_with_named_templates_keeps_the_tool_turns() -> None:
+    """Hermes-style tokenizers carry {"default", "tool_use"}: the one used
+    with tools renders calls, so they stay calls (not "Result of" turns)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+    tokenizer.chat_template = {"default": STRICT, "tool_use": TOOL_USE}
+    template = ChatTemplate(tokenizer)
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    shaped = template.template_messages(messages)
+    assert shaped[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert shaped[2]["role"] == "tool"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    assert "CALL get_weatherParis" in template.text(messages, tools)

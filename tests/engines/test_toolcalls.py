@@ -115,3 +115,37 @@ def test_hermes_parser_splits_text_and_calls() -> None:
     names, args = collect(deltas)
     assert said.strip() == "Let me check."
     assert names == {0: "get_weather"} and json.loads(args[0]) == {"city": "Paris"}
+
+
+def test_a_parser_gives_up_what_it_holds_at_the_last_delta() -> None:
+    """qwen3_coder (an engine-streaming parser) holds a "<" that may begin a
+    marker; at the stream's end it is text, as in vLLM's own server."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+    text = "It costs 5 <"
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    for finish in (False, True):
+        stream = ParserStream("qwen3_coder", tokenizer, [WEATHER])
+        said = ""
+        for n, piece in enumerate(pieces):
+            ids = tokenizer.encode(piece, add_special_tokens=False)
+            content, _ = stream.feed(piece, ids, finish and n == len(pieces) - 1)
+            said += content
+        assert said == (text if finish else "It costs 5 ")
+    # A call still streams whole.
+    call = (
+        "Sure.\n<tool_call>\n<function=get_weather>\n"
+        "<parameter=city>\nParis\n</parameter>\n</function>"
+    )
+    stream = ParserStream("qwen3_coder", tokenizer, [WEATHER])
+    said, deltas = "", []
+    pieces = [call[i : i + 3] for i in range(0, len(call), 3)]
+    for n, piece in enumerate(pieces):
+        ids = tokenizer.encode(piece, add_special_tokens=False)
+        content, calls = stream.feed(piece, ids, n == len(pieces) - 1)
+        said += content
+        deltas += calls
+    names, args = collect(deltas)
+    assert said == "Sure.\n"
+    assert names == {0: "get_weather"} and json.loads(args[0]) == {"city": "Paris"}

@@ -162,6 +162,27 @@ def test_sessions_pin_to_a_stable_rank(ranks: int) -> None:
     assert rank_of("sess_abc", 2) == 0  # crc32: the same on every instance, every run
 
 
+def test_only_local_ranks_are_named_under_external_or_hybrid_balancing() -> None:
+    """`-- --data-parallel-size 2 --data-parallel-rank 1` (one process per rank
+    behind a balancer): vLLM accepts ranks below data_parallel_size_local
+    only; naming rank 1 would fail half the sessions."""
+    from vllm.config import ParallelConfig
+
+    from tokenwire.engines.vllm import dp_ranks
+
+    external = ParallelConfig(
+        data_parallel_size=2,
+        data_parallel_size_local=1,
+        data_parallel_rank=1,
+        data_parallel_external_lb=True,
+    )
+    hybrid = ParallelConfig(
+        data_parallel_size=4, data_parallel_size_local=2, data_parallel_hybrid_lb=True
+    )
+    internal = ParallelConfig(data_parallel_size=2)
+    assert [dp_ranks(p) for p in (external, hybrid, internal)] == [1, 2, 2]
+
+
 def test_vllm_is_not_imported_for_the_scripted_engine() -> None:
     """vLLM's argument module takes seconds to import: only `--engine vllm` pays."""
     code = (

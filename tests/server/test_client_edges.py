@@ -80,6 +80,34 @@ async def test_a_cancel_sent_as_a_request_returns_the_response_done(
         assert err.value.code == "response_not_active"
 
 
+async def test_a_cancel_without_an_id_beside_an_out_of_band_response_returns(
+    scripted: RunningServer,
+) -> None:
+    """The server cancels the conversation response (protocol.md §5): the
+    request returns its response.done rather than wait forever."""
+    async with await connect(scripted.url) as tw:
+        long = {"ignore_eos": True, "max_output_tokens": 100_000}
+        auto = await tw.create_response(**long)
+        apart = await tw.create_response(conversation="none", **long)
+        done = await asyncio.wait_for(tw.request({"type": "response.cancel"}), 5)
+        assert done["response"]["id"] == auto.id
+        assert done["response"]["status"] == "cancelled"
+        assert apart.status is None  # still running
+        assert (await asyncio.wait_for(apart.cancel(), 5))["status"] == "cancelled"
+
+
+async def test_a_cancel_sent_before_its_response_is_known_returns(
+    scripted: RunningServer,
+) -> None:
+    """Barge-in: response.create is still on the wire when the cancel goes."""
+    async with await connect(scripted.url) as tw:
+        create = {"ignore_eos": True, "max_output_tokens": 100_000}
+        await tw.send({"type": "response.create", "response": create})
+        done = await asyncio.wait_for(tw.request({"type": "response.cancel"}), 5)
+        assert done["type"] == "response.done"
+        assert done["response"]["status"] == "cancelled"
+
+
 async def test_a_caller_that_gives_up_on_create_response_leaves_nothing_running(
     scripted: RunningServer,
 ) -> None:

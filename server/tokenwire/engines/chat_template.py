@@ -42,7 +42,7 @@ class ChatTemplate:
 
     def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Tool turns in the shape the chat template understands."""
-        if "tool_calls" in (self.tokenizer.chat_template or ""):
+        if _takes_tool_calls(self.tokenizer.chat_template):
             # HF templates take a call's arguments as a mapping.
             return [
                 {**m, "tool_calls": [_with_parsed_arguments(c) for c in m["tool_calls"]]}
@@ -182,3 +182,12 @@ def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
     except ValueError:
         arguments = call["function"]["arguments"]
     return {**call, "function": {**call["function"], "arguments": arguments}}
+
+
+def _takes_tool_calls(template: str | dict[str, str] | None) -> bool:
+    """Whether the chat template renders assistant tool calls; a tokenizer may
+    have several by name (Hermes: "default" and "tool_use", the one used with
+    tools)."""
+    if isinstance(template, dict):
+        return any("tool_calls" in t for t in template.values())
+    return "tool_calls" in (template or "")

@@ -217,7 +217,13 @@ class RemoteEngine:
         try:
             async with aclosing(self._chunks(request, plan)) as chunks:
                 async for chunk in chunks:
-                    text, calls = split_calls(chunk.text, chunk.token_ids, scanner, parser)
+                    text, calls = split_calls(
+                        chunk.text,
+                        chunk.token_ids,
+                        scanner,
+                        parser,
+                        chunk.finish_reason is not None,
+                    )
                     yield EngineDelta(
                         text=text,
                         output_tokens=len(chunk.token_ids),

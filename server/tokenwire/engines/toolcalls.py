@@ -214,13 +214,15 @@ def split_calls(
     token_ids: Any,
     scanner: NamedCallScanner | ArrayCallScanner | None,
     parser: ParserStream | None,
+    finished: bool = False,
 ) -> tuple[str, list[ToolCallDelta] | None]:
     """A delta's text and the tool calls in it: a forced call's output is all
-    call; "auto" goes through the vLLM tool parser; else it is all text."""
+    call; "auto" goes through the vLLM tool parser (`finished`: the last delta,
+    after which it gives up what it still holds); else it is all text."""
     if scanner is not None:
         return "", scanner.feed(text)
     if parser is not None:
-        return parser.feed(text, list(token_ids))
+        return parser.feed(text, list(token_ids), finished)
     return text, None
 
 
@@ -243,13 +245,17 @@ class ParserStream:
         # Some parsers need their special tokens (e.g. <tool_call>) in the text.
         return bool(self.request.skip_special_tokens)
 
-    def feed(self, text: str, token_ids: list[int]) -> tuple[str, list[ToolCallDelta]]:
+    def feed(
+        self, text: str, token_ids: list[int], finished: bool = False
+    ) -> tuple[str, list[ToolCallDelta]]:
         """Split one delta into plain text and tool-call chunks."""
         prev_text, prev_ids = self.text, self.ids
         self.text, self.ids = prev_text + text, prev_ids + list(token_ids)
         msg = self.parser.extract_tool_calls_streaming(
             prev_text, self.text, text, prev_ids, self.ids, list(token_ids), self.request
         )
+        if finished:
+            msg = self._flush(msg)
         if msg is None:
             return "", []
         calls = [
@@ -261,3 +267,23 @@ class ParserStream:
             for tc in msg.tool_calls
         ]
         return msg.content or "", calls
+
+    def _flush(self, msg: Any) -> Any:
+        """At the stream's end, as vLLM's own serving does: what a parser that
+        streams through an engine still buffers (text held as a possible
+        marker's start, a call's tail), and arguments parsed but not streamed."""
+        parser = self.parser
+        finish = getattr(parser, "finish_streaming", None)
+        tail = finish() if finish is not None and parser.engine_based_streaming else None
+        if tail is not None:
+            if msg is None:
+                msg = tail
+            else:
+                if tail.content:
+                    msg.content = (msg.content or "") + tail.content
+                if tail.tool_calls:
+                    msg.tool_calls = [*(msg.tool_calls or []), *tail.tool_calls]
+        if msg is not None and msg.tool_calls and (last := msg.tool_calls[-1]).function:
+            rest = parser.get_remaining_unstreamed_args()
+            last.function.arguments = (last.function.arguments or "") + rest
+        return msg

@@ -51,6 +51,15 @@ def rank_of(session_id: str | None, ranks: int) -> int | None:
     return zlib.crc32(session_id.encode()) % ranks
 
 
+def dp_ranks(parallel: Any) -> int:
+    """The data-parallel ranks this process may send to: only its local ones
+    when vLLM balances externally or hybrid (`--data-parallel-rank`,
+    `--data-parallel-hybrid-lb`): vLLM refuses any other rank."""
+    if parallel.local_engines_only:
+        return int(parallel.data_parallel_size_local)
+    return int(parallel.data_parallel_size)
+
+
 class VllmEngine:
     name = "vllm"
 
@@ -124,7 +133,7 @@ class VllmEngine:
         self._template = ChatTemplate(self._tokenizer)
         self._max_len = self._llm.model_config.max_model_len
         vllm_config = self._llm.vllm_config
-        self.ranks = vllm_config.parallel_config.data_parallel_size
+        self.ranks = dp_ranks(vllm_config.parallel_config)
         self.capabilities = EngineCapabilities(
             resume_from_token_ids=True,
             preflight=True,
@@ -232,7 +241,9 @@ class VllmEngine:
                 async for out in outs:
                     completion = out.outputs[0]
                     ids_out = completion.token_ids
-                    text, calls = split_calls(completion.text, ids_out, scanner, parser)
+                    text, calls = split_calls(
+                        completion.text, ids_out, scanner, parser, out.finished
+                    )
                     yield EngineDelta(
                         text=text,
                         output_tokens=len(ids_out),
