@@ -39,7 +39,13 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from .client_response import TERMINAL as _TERMINAL
-from .client_response import Response, TokenwireError, cancel_reply
+from .client_response import (
+    Response,
+    TokenwireError,
+    cancel_reply,
+    cancel_target,
+    cancelled_by_client,
+)
 from .core.schema import check_values
 from .wire.codec import decode_frame
 from .wire.tokenwire_v1 import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, TokenwireV1
@@ -180,7 +186,7 @@ class Client:
         self._pending[event_id] = future
         cancelled = asyncio.get_running_loop().create_future()
         # Chosen before the send, which may wait: the response may end meanwhile.
-        target = self._cancel_target(event)
+        target = cancel_target(self._responses, event)
         try:
             if event.get("type") == "response.cancel":
                 self._cancel_waiters.add(cancelled)
@@ -193,16 +199,6 @@ class Client:
             self._cancel_waiters.discard(cancelled)
             if future.done() and not future.cancelled():
                 future.exception()  # failed with the send: retrieved here
-
-    def _cancel_target(self, event: dict[str, Any]) -> Response | None:
-        """The response a cancel stops, as the server picks it (protocol.md §5)."""
-        if event.get("type") != "response.cancel":
-            return None
-        if (rid := event.get("response_id")) is not None:
-            return self._responses.get(rid)
-        live = list(self._responses.values())
-        auto = [r for r in live if r.created["response"].get("conversation") == "auto"]
-        return auto[0] if auto else (live[0] if len(live) == 1 else None)
 
     async def _send(self, event: dict[str, Any]) -> None:
         try:
@@ -441,11 +437,7 @@ class Client:
             if kind == _TERMINAL:
                 del self._responses[response_id]
         if kind == _TERMINAL and self._cancel_waiters:
-            details = event["response"].get("status_details") or {}
-            if details.get("reason") == "client_cancelled":
-                for waiter in self._cancel_waiters:
-                    if not waiter.done():
-                        waiter.set_result(event)
+            cancelled_by_client(event, self._cancel_waiters)
         if kind == "response.function_call_arguments.done" and event["name"] in self.tool_handlers:
             task = asyncio.create_task(self._run_tool(event))
             self._tool_tasks.add(task)

@@ -129,3 +129,27 @@ async def cancel_reply(
     if response is None:
         return ended.result()
     return {"type": TERMINAL, "response": await response.done()}
+
+
+def cancel_target(responses: dict[str, Response], event: dict[str, Any]) -> Response | None:
+    """The response a `response.cancel` stops, as the server picks it
+    (protocol.md §5); None for another event, or none known here."""
+    if event.get("type") != "response.cancel":
+        return None
+    if (rid := event.get("response_id")) is not None:
+        return responses.get(rid)
+    live = list(responses.values())
+    auto = [r for r in live if r.created["response"].get("conversation") == "auto"]
+    return auto[0] if auto else (live[0] if len(live) == 1 else None)
+
+
+def cancelled_by_client(
+    event: dict[str, Any], waiters: set[asyncio.Future[dict[str, Any]]]
+) -> None:
+    """A response.done: the cancels that could not name their response take
+    it if the client cancelled it."""
+    details = event["response"].get("status_details") or {}
+    if details.get("reason") == "client_cancelled":
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(event)
