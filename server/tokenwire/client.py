@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from .client_response import TERMINAL as _TERMINAL
 from .client_response import (
@@ -165,6 +165,8 @@ class Client:
             await self.ws.close()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
+        for task in list(self._tool_tasks):  # their outputs have nowhere to go
+            task.cancel()
 
     # -- sending -------------------------------------------------------------
 
@@ -372,8 +374,8 @@ class Client:
                     return False
                 log.warning("tokenwire: reconnect attempt %d refused: %s", attempt + 1, exc)
                 continue
-            except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
-                log.warning("tokenwire: reconnect attempt %d failed: %s", attempt + 1, exc)
+            except Exception as exc:  # OSError, a timeout, a handshake, a bad frame: all alike
+                log.warning("tokenwire: reconnect attempt %d failed: %r", attempt + 1, exc)
                 continue
             self.reconnects += 1
             log.warning("tokenwire: resumed session %s", self.session_id)
@@ -547,5 +549,9 @@ async def connect(
     ws = await ws_connect(url, **options)
     policy = Reconnect() if reconnect is True else reconnect or None
     client = Client(ws, tools, url=url, ws_options=options, reconnect=policy)
-    await client._ready
+    try:
+        await client._ready
+    except BaseException:  # failed, timed out or cancelled: nothing stays open
+        await client.close()
+        raise
     return client

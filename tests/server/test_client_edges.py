@@ -181,3 +181,69 @@ async def test_a_failed_response_raises_from_text() -> None:
                 await asyncio.wait_for(r.text(), 5)
             assert err.value.code == "invalid_tool_arguments"
             assert (await r.done())["status"] == "failed"
+
+
+async def test_a_bad_frame_while_resuming_is_a_failed_attempt() -> None:
+    """A resume that meets a frame it cannot read counts as a failed attempt;
+    when they run out, calls fail with reconnect_failed, not a raw error."""
+    from tokenwire.client import Reconnect
+
+    connections = 0
+
+    async def handler(ws: ServerConnection) -> None:
+        nonlocal connections
+        connections += 1
+        await ws.send(json.dumps({"type": "session.created", "session": SESSION, "seq": 1}))
+        if connections == 1:
+            ws.transport.abort()  # the first connection drops
+            return
+        await ws.recv()  # session.resume
+        await ws.send("{not json")
+        await ws.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0, subprotocols=["tokenwire.v1.json"]) as server:  # type: ignore[list-item]
+        port = server.sockets[0].getsockname()[1]
+        policy = Reconnect(max_attempts=2, initial_delay_s=0.01, max_delay_s=0.02)
+        tw = await connect(f"ws://127.0.0.1:{port}/v1/realtime", protocol="json", reconnect=policy)
+        with pytest.raises(TokenwireError) as err:
+            await asyncio.wait_for(tw.request({"type": "session.update", "session": {}}), 10)
+        assert err.value.code == "reconnect_failed"
+        assert connections == 3
+        await tw.close()
+
+
+async def test_a_connect_given_up_before_session_created_closes_its_socket() -> None:
+    closed = asyncio.Event()
+
+    async def handler(ws: ServerConnection) -> None:
+        await ws.wait_closed()  # never says session.created
+        closed.set()
+
+    async with serve(handler, "127.0.0.1", 0, subprotocols=["tokenwire.v1.json"]) as server:  # type: ignore[list-item]
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(
+                connect(f"ws://127.0.0.1:{port}/v1/realtime", protocol="json"), 0.5
+            )
+        await asyncio.wait_for(closed.wait(), 5)
+
+
+async def test_close_stops_tool_handlers_still_running(scripted: RunningServer) -> None:
+    started, stopped = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> str:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            stopped.set()
+        return "never"
+
+    tool = {"type": "function", "name": "slow", "parameters": {"type": "object"}}
+    tw = await connect(scripted.url, tools={"slow": slow})
+    await tw.update_session(tools=[tool], tool_choice="required")
+    await tw.add_message("go")
+    await tw.create_response()
+    await asyncio.wait_for(started.wait(), 10)
+    await tw.close()
+    await asyncio.wait_for(stopped.wait(), 5)
