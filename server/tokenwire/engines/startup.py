@@ -30,6 +30,9 @@ class Startup:
             self.failure = self._describe(exc)
             self._log.error("engine_start_failed", error=self.failure)
             raise
+        except asyncio.CancelledError:  # the server stops while the engine starts
+            self.failure = "the start was cancelled: the server is stopping"
+            raise
         finally:
             self._done.set()
 
