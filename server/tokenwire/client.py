@@ -128,6 +128,7 @@ class Client:
         # open | reconnecting | closed; sends wait while reconnecting.
         self.state = "open"
         self.reconnects = 0  # sessions resumed after a drop
+        self._resending: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
         self._open.set()
         self._closing = False
@@ -159,6 +160,8 @@ class Client:
         self._closing = True
         self._finish(ConnectionError("the client closed the connection"))
         self._reader.cancel()  # reconnecting, or reading: either way done
+        if self._resending is not None:
+            self._resending.cancel()
         if self.ws.transport.is_closing():
             self.ws.transport.abort()
         else:
@@ -359,12 +362,11 @@ class Client:
                 delay,
             )
             await asyncio.sleep(delay)
+            taken: int | None = None
             try:
                 async with asyncio.timeout(self.reconnect.attempt_timeout_s):
                     ws = await ws_connect(self._url, **self._ws_options)
                     taken = await _resume_on(self, ws)
-                # Past the timeout: a long backlog may take its time.
-                await self._resend(taken)
             except _ResumeRefused as refused:
                 self._resume_failed(refused)
                 break
@@ -382,15 +384,12 @@ class Client:
             break
         else:
             return False
-        self.state = "open"
-        self._open.set()
+        if taken is None:  # refused: the fresh session has nothing to resend
+            self.state = "open"
+            self._open.set()
+        else:  # a long backlog may take its time, past the attempt's timeout
+            self._resending = asyncio.create_task(_resend_untaken(self, taken))
         return True
-
-    async def _resend(self, taken: int) -> None:
-        """Send again, in order, the frames the server never took."""
-        self._unconfirmed = [u for u in self._unconfirmed if u[0] > taken]
-        for _, _, frame in list(self._unconfirmed):
-            await self.ws.send(frame)
 
     def _resume_failed(self, refused: _ResumeRefused) -> None:
         """The old session is gone: what was in flight fails, and the client
@@ -489,6 +488,23 @@ class Client:
             # The response waits for it until its tool timeout: say why.
             log.error("tokenwire: the output of %s could not be sent: %s", event["name"], exc)
             self.events.put_nowait({"type": "client.tool_error", "call": event, "error": exc})
+
+
+async def _resend_untaken(client: Client, taken: int) -> None:
+    """After session.resumed, beside the read loop (a backlog written while
+    nothing reads could stall both sides: the server stops reading a client
+    that does not read): send again, in order, what the server never took;
+    then new sends may go."""
+    ws = client.ws
+    client._unconfirmed = [u for u in client._unconfirmed if u[0] > taken]
+    try:
+        for _, _, frame in list(client._unconfirmed):
+            await ws.send(frame)
+    except ConnectionClosed:
+        return  # the read loop sees the close, and resumes again
+    if client.ws is ws and client.state == "reconnecting":
+        client.state = "open"
+        client._open.set()
 
 
 async def _resume_on(client: Client, ws: ClientConnection) -> int:

@@ -247,3 +247,49 @@ async def test_close_stops_tool_handlers_still_running(scripted: RunningServer) 
     await asyncio.wait_for(started.wait(), 10)
     await tw.close()
     await asyncio.wait_for(stopped.wait(), 5)
+
+
+async def test_a_large_resend_goes_out_while_the_replay_is_read() -> None:
+    """After a resume, the frames the server never took are sent again while
+    the client goes on reading: a server busy writing reads nothing until its
+    client reads (tokenwire's upstream backpressure, with few frames queued),
+    so a resend written before reading again stalled both sides."""
+    from tokenwire.client import Reconnect
+
+    frames, size = 96, 256 << 10  # 24 MiB, in more frames than the server queues
+    got_resends = asyncio.Event()
+    connections = 0
+
+    async def handler(ws: ServerConnection) -> None:
+        nonlocal connections
+        connections += 1
+        created = {"type": "session.created", "session": SESSION, "seq": 1}
+        if connections == 1:
+            await ws.send(json.dumps(created))
+            for _ in range(frames):  # taken off the wire, never answered
+                await ws.recv()
+            ws.transport.abort()
+            return
+        await ws.send(json.dumps({**created, "session": {**SESSION, "id": "sess_b"}}))
+        await ws.recv()  # session.resume
+        resumed = {"type": "session.resumed", "session": SESSION, "last_seq": 1}
+        await ws.send(json.dumps({**resumed, "replayed": 0, "client_events": 0, "seq": 2}))
+        pad = "x" * (64 << 10)
+        for seq in range(3, 3 + 768):  # 48 MiB the client must read first
+            await ws.send(json.dumps({"type": "rate_limits.updated", "pad": pad, "seq": seq}))
+        for _ in range(frames):
+            await ws.recv()
+        got_resends.set()
+        await ws.wait_closed()
+
+    async with serve(
+        handler, "127.0.0.1", 0, subprotocols=["tokenwire.v1.json"], max_queue=4
+    ) as server:  # type: ignore[list-item]
+        port = server.sockets[0].getsockname()[1]
+        policy = Reconnect(initial_delay_s=0.01, max_delay_s=0.02)
+        tw = await connect(f"ws://127.0.0.1:{port}/v1/realtime", protocol="json", reconnect=policy)
+        item = {"type": "message", "role": "user", "content": "y" * (size - 200)}
+        for _ in range(frames):
+            await tw.send({"type": "conversation.item.create", "item": item})
+        await asyncio.wait_for(got_resends.wait(), 60)
+        await tw.close()
