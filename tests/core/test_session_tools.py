@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tokenwire.core.conversation import render_messages
+from tokenwire.core.conversation import ITEM_BYTES, render_messages
 from tokenwire.core.events import AbortGeneration, CancelTimer, StartGeneration, StartTimer
 from tokenwire.core.session import Session
 from tokenwire.engines.base import ContextLengthExceeded, EngineDelta, ToolCallDelta
@@ -243,6 +243,48 @@ def test_steer_drops_a_half_written_call(session: Session) -> None:
     assert abort == AbortGeneration(action.response_id, rq)
     assert all(m.get("tool_calls") is None for m in restart.request.messages)
     assert all(i["type"] != "function_call" for i in session.items)
+
+
+def test_a_dropped_call_gives_its_bytes_back(session: Session) -> None:
+    """Steers while a call streams must not push a small conversation towards
+    conversation_too_large: the dropped call's arguments leave the count."""
+    action = begin(session)
+    before = session.conversation.history_bytes
+    call(session, action.request.request_id, 0, "get_weather", '{"city": "' + "x" * 1000)
+    drive(session, {"type": "response.steer", "input": "never mind"})
+    steer = len(b"never mind")
+    assert session.conversation.history_bytes == before + steer + ITEM_BYTES
+
+
+def test_an_output_its_response_waits_on_cannot_be_deleted(session: Session) -> None:
+    """Its call would go on without its answer (strict templates refuse the
+    turn; others answer without the result)."""
+    action = begin(session, tool_choice="required")
+    rq = action.request.request_id
+    call(session, rq, 0, "get_weather", '{"city": "Paris"}')
+    events = call(session, rq, 1, "get_time", "{}", finish="stop")
+    (waiting,) = [e for e in events if e["type"] == "response.requires_action"]
+    ids = waiting["call_ids"]
+    output(session, ids[0], "sunny")
+    out_item = next(i for i in session.items if i["type"] == "function_call_output")
+    events = drive(session, {"type": "conversation.item.delete", "item_id": out_item["id"]})
+    assert codes(events) == ["invalid_state"]
+    # Once the response has ended, it may go.
+    output(session, ids[1], "noon")
+    (cont,) = [a for a in session.actions_to_perform() if isinstance(a, StartGeneration)]
+    session.receive_engine_output(cont.request.request_id, EngineDelta("Done.", 1, "stop"))
+    session.events_to_send()
+    events = drive(session, {"type": "conversation.item.delete", "item_id": out_item["id"]})
+    assert types(events) == ["conversation.item.deleted"]
+
+
+def test_a_call_cut_by_the_cap_under_ignore_eos_ends_incomplete(session: Session) -> None:
+    """ignore_eos runs text to the cap by design; a call cut there is cut."""
+    action = begin(session, tool_choice="required", ignore_eos=True, max_output_tokens=3)
+    events = call(session, action.request.request_id, 0, "get_weather", '{"city": ', "length")
+    done = [e for e in events if e["type"] == "response.done"][-1]["response"]
+    assert done["status"] == "incomplete"
+    assert done["status_details"]["reason"] == "max_output_tokens"
 
 
 def test_retrieve_item(session: Session) -> None:

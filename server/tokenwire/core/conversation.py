@@ -200,11 +200,14 @@ class Conversation:
         return previous
 
     def remove_from(self, context: list[Item], item: Item) -> None:
-        """Take a response's item out of its context (and the conversation)."""
+        """Take a response's item out of its context (and the conversation),
+        and its bytes out of the count."""
         for items in (context, self.items):
             if item in items:
                 items.remove(item)
-        self.by_id.pop(item["id"], None)
+        if self.by_id.pop(item["id"], None) is not None:
+            size = len(item_text(item).encode())
+            self.history_bytes = max(self.history_bytes - size - ITEM_BYTES, 0)
 
     def delete(self, item_id: str, busy: set[str], event_id: str | None) -> Item:
         """Take an item out of the conversation; `busy`: ids an active

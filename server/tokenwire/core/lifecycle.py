@@ -371,7 +371,9 @@ class Lifecycle:
             self.finish(
                 resp, ResponseStatus.INCOMPLETE, {"type": "incomplete", "reason": "engine_aborted"}
             )
-        elif finish_reason == "length" and not resp.params["ignore_eos"]:
+        elif finish_reason == "length" and (not resp.params["ignore_eos"] or resp.calls):
+            # With ignore_eos a text answer runs to the cap by design; a call
+            # cut there is cut all the same.
             self.finish(
                 resp,
                 ResponseStatus.INCOMPLETE,

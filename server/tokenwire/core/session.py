@@ -319,7 +319,16 @@ class Session:
         self._emit({"type": ev.CONVERSATION_ITEM_RETRIEVED, "item": dict(item)}, ev_.event_id)
 
     def _on_conversation_item_delete(self, ev_: s.ConversationItemDelete) -> None:
-        busy = {item["id"] for r in self.active_responses for item in r.output}
+        # What an active response still writes, and the outputs its next
+        # round reads (its calls would go on without their answers).
+        active = self.active_responses
+        busy = {item["id"] for r in active for item in r.output}
+        waited = {c["call_id"] for r in active for c in r.output if c["type"] == "function_call"}
+        busy |= {
+            it["id"]
+            for it in self.conversation.items
+            if it["type"] == "function_call_output" and it["call_id"] in waited
+        }
         item = self.conversation.delete(ev_.item_id, busy, ev_.event_id)
         if item["type"] == "function_call":  # its output has nowhere to go now
             self.lifecycle.calls.pop(item["call_id"], None)
