@@ -348,3 +348,43 @@ async def test_a_follower_let_go_is_marked_only_while_the_session_is(
     await store.forget_follower(sid, "f2")
     assert await store.meta(sid, "f3") is None
     assert not await store.redis.exists(f"tw:{sid}:meta")
+
+
+async def test_a_takeover_whose_load_fails_gives_the_session_back(
+    redis_server: RedisServer,
+) -> None:
+    """The claim went through, the load did not: the session is its dead
+    owner's again (the next resume anywhere takes it over), not owned by an
+    instance that does not run it, which followers would wait on forever. One
+    that cannot be rebuilt (no snapshot) is dropped for everyone."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from tokenwire.config import ServerConfig
+    from tokenwire.engines.scripted import ScriptedEngine
+    from tokenwire.server.admission import Limiter
+    from tokenwire.server.registry import Registry
+
+    dead = RedisStore(redis_server.url, ttl_s=60, maxlen=100, lease_s=5, instance_id="inst_dead")
+    mine = RedisStore(redis_server.url, ttl_s=60, maxlen=100, lease_s=5, instance_id="inst_mine")
+    registry = Registry(ScriptedEngine(), ServerConfig(engine="scripted"), Limiter(4, 0), mine)
+    try:
+        sid = f"sess_take_{next(_ids)}"
+        await dead.register(sid, "k")
+        meta = await mine.meta(sid)
+        assert meta is not None and meta.owner == "inst_dead"
+
+        async def failing_load(_: str) -> None:
+            raise RedisConnectionError("blip")
+
+        real_load, mine.load = mine.load, failing_load  # type: ignore[method-assign]
+        with pytest.raises(RedisConnectionError):
+            await registry._take_over(sid, meta)
+        after = await mine.meta(sid)
+        assert after is not None and after.owner == "inst_dead"
+        mine.load = real_load  # type: ignore[method-assign]
+        # Nothing logged, so no snapshot: it cannot be rebuilt, and goes.
+        assert await registry._take_over(sid, meta) is None
+        assert await mine.meta(sid) is None
+    finally:
+        await dead.redis.aclose()
+        await mine.redis.aclose()

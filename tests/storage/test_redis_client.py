@@ -43,3 +43,22 @@ async def test_commands_round_trip_through_a_real_server(redis_server: RedisServ
     assert await client.xrange("tw:sess_rt:log") == [(b"0-1", {b"e": b"\x00\xff", b"c": b"3"})]
     assert await client.delete("tw:sess_rt:log") == 1
     await client.aclose()
+
+
+async def test_the_store_waits_on_redis_for_a_bounded_time(redis_server: RedisServer) -> None:
+    """A network that silently drops packets must not hang a follower's
+    blocking read (half the lease) or a write: reads and connects time out
+    above the longest block, and TCP keepalive is on."""
+    from tokenwire.storage.redis import RedisStore
+
+    store = RedisStore(redis_server.url, ttl_s=60, maxlen=100, lease_s=5)
+    try:
+        kwargs = store.redis.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 10.0
+        assert kwargs["socket_keepalive"] is True
+        assert await store.redis.ping()
+    finally:
+        await store.redis.aclose()
+    slow = RedisStore(redis_server.url, ttl_s=60, maxlen=100, lease_s=30)
+    assert slow.redis.connection_pool.connection_kwargs["socket_timeout"] == 60.0
+    await slow.redis.aclose()

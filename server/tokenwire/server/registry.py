@@ -4,6 +4,7 @@ takeover from a dead owner, the resume grace period, and the end."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -134,8 +135,17 @@ class Registry:
         assert self.store is not None
         if not await self.store.claim(sid, meta.owner):
             return None
-        loaded = await self.store.load(sid)
+        try:
+            loaded = await self.store.load(sid)
+        except Exception:
+            with contextlib.suppress(Exception):
+                await self.store.give_back(sid, meta.owner)
+            raise
         if loaded is None:
+            # Nothing to continue from (its snapshot is gone): gone for every
+            # instance, rather than owned by one that does not run it.
+            with contextlib.suppress(Exception):
+                await self.store.drop(sid)
             return None
         usage = self.limiter.usage(meta.key_id or "anonymous")
         runtime = await self.new_session(usage, None, loaded)
@@ -164,7 +174,8 @@ class Registry:
                 self._spawn(self._mark(runtime, follower, left=False))
             return  # from a follower the client has left
         if op == "close":
-            await self.end_session(runtime)
+            # Not awaited: the inbox serves every session's followers.
+            self._spawn(self.end_session(runtime))
             return
         if op == "attach" and runtime.follower != follower:
             self.replacing_follower(runtime)

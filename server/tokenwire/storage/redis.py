@@ -182,7 +182,8 @@ class RedisStore:
     def __init__(
         self, url: str, *, ttl_s: float, maxlen: int, lease_s: float, instance_id: str | None = None
     ) -> None:
-        self.redis = redis_client.from_url(url)
+        # Above the longest blocking read (a follower's: half the lease).
+        self.redis = redis_client.from_url(url, timeout_s=max(10.0, 2 * lease_s))
         self.url = url
         self.ttl_ms = int(ttl_s * 1000)
         self.maxlen = maxlen
@@ -300,6 +301,12 @@ class RedisStore:
         return bool(
             await self._claim(keys=[_key(sid, "meta")], args=[dead_owner, self.instance_id])
         )
+
+    async def give_back(self, sid: str, owner: str) -> None:
+        """Undo a claim whose takeover could not go on (the load failed): the
+        session is `owner`'s again, so the next resume anywhere takes it over
+        rather than follow this instance, which does not run it."""
+        await self._claim(keys=[_key(sid, "meta")], args=[self.instance_id, owner])
 
     async def append(
         self,
