@@ -40,6 +40,8 @@ const TERMINAL = "response.done";
 // Closes after which reconnecting is wrong: 4000, the server ended an idle
 // session (a new one would only idle again).
 const FINAL_CLOSES = new Set([4000]);
+// Time for session.created, and for each reconnect attempt's answer (connectTimeoutMs).
+const CONNECT_TIMEOUT_MS = 10_000;
 // Handshake answers after which reconnecting is wrong: the key or the request
 // is refused. Node's `ws` names the status in its error; browsers hide it (the
 // attempts then run out as for any failure).
@@ -624,7 +626,7 @@ export class Session {
     if (this.protocol === "msgpack") await loadMsgpack();
     const ws = await this._open();
     this._attach(ws);
-    const timeoutMs = this.options.connectTimeoutMs ?? 10_000;
+    const timeoutMs = this.options.connectTimeoutMs ?? CONNECT_TIMEOUT_MS;
     const timer = setTimeout(() => {
       settle(this._ready, false, clientError("connect_timeout", `no session.created within ${timeoutMs} ms`));
       try {
@@ -736,7 +738,7 @@ export class Session {
    * first connect is, and the next attempt is scheduled.
    */
   _giveUpAfter(ws, resume) {
-    const timeoutMs = this.options.connectTimeoutMs ?? 10_000;
+    const timeoutMs = this.options.connectTimeoutMs ?? CONNECT_TIMEOUT_MS;
     clearTimeout(this._attemptTimer);
     this._attemptTimer = setTimeout(() => {
       if (this._resume !== resume || this.ws !== ws || this.state !== "reconnecting") return;

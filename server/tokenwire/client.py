@@ -187,18 +187,19 @@ class Client:
         cancel that works has none: its reply is the response's
         `response.done` event."""
         event_id = event.setdefault("event_id", f"evt_{next(self._ids)}")
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._pending[event_id] = future
-        cancelled = asyncio.get_running_loop().create_future()
-        # Chosen before the send, which may wait: the response may end meanwhile.
-        target = cancel_target(self._responses, event)
+        cancelled = loop.create_future()
         try:
-            if event.get("type") == "response.cancel":
-                self._cancel_waiters.add(cancelled)
+            if event.get("type") != "response.cancel":
+                await self._send(event)
+                return await future
+            # Chosen before the send, which may wait: the response may end meanwhile.
+            target = cancel_target(self._responses, event)
+            self._cancel_waiters.add(cancelled)
             await self._send(event)
-            if event.get("type") == "response.cancel":
-                return await cancel_reply(target, future, cancelled)
-            return await future
+            return await cancel_reply(target, future, cancelled)
         finally:
             self._pending.pop(event_id, None)
             self._cancel_waiters.discard(cancelled)

@@ -133,9 +133,7 @@ async def cancel_reply(
 
 def cancel_target(responses: dict[str, Response], event: dict[str, Any]) -> Response | None:
     """The response a `response.cancel` stops, as the server picks it
-    (protocol.md §5); None for another event, or none known here."""
-    if event.get("type") != "response.cancel":
-        return None
+    (protocol.md §5); None if none is known here."""
     if (rid := event.get("response_id")) is not None:
         return responses.get(rid)
     live = list(responses.values())

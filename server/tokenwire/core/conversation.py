@@ -205,6 +205,10 @@ class Conversation:
         for items in (context, self.items):
             if item in items:
                 items.remove(item)
+        self._forget(item)
+
+    def _forget(self, item: Item) -> None:
+        """An item out of the lists: off the index, its bytes out of the count."""
         if self.by_id.pop(item["id"], None) is not None:
             size = len(item_text(item).encode())
             self.history_bytes = max(self.history_bytes - size - ITEM_BYTES, 0)
@@ -223,9 +227,7 @@ class Conversation:
                 param="item_id",
             )
         self.items.remove(item)
-        del self.by_id[item_id]
-        size = len(item_text(item).encode())
-        self.history_bytes = max(self.history_bytes - size - ITEM_BYTES, 0)
+        self._forget(item)
         return item
 
     def truncate(self, item_id: str, text_end: int, event_id: str | None) -> Item:
