@@ -25,7 +25,9 @@ _HELP = {
     "on CPUs float32, the fastest without AVX512-BF16)",
     "max_message_bytes": "largest client frame; a bigger one closes the connection with 1009",
     "max_model_len": "context length, a shortcut for vLLM's --max-model-len (default: the model's)",
-    "kv_cache_gib": "KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB",
+    "kv_cache_gib": "KV cache size in GiB, a shortcut for vLLM's --kv-cache-memory-bytes "
+    "(default on CPUs; elsewhere only when given: on GPUs vLLM sizes it by "
+    "--gpu-memory-utilization)",
     "scripted_tokens_per_s": "token rate of the scripted engine (0: as fast as possible)",
     "max_active_responses": "responses one connection may run at once",
     "default_max_output_tokens": "output cap when the client sets no max_output_tokens",
@@ -96,7 +98,7 @@ _CHOICES = {
     "allocator": list(CHOICES),
 }
 _TYPES: dict[str, type] = {"max_model_len": int}
-_SHORTCUTS = ("model", "dtype", "max_model_len")
+_SHORTCUTS = ("model", "dtype", "max_model_len", "kv_cache_gib")
 _VLLM_EPILOG = """\
 vLLM engine flags (--engine vllm): tokenwire serve [tokenwire flags] -- [vLLM flags]
   Everything after `--` goes to vLLM's own engine argument parser, with vLLM's
@@ -105,24 +107,63 @@ vLLM engine flags (--engine vllm): tokenwire serve [tokenwire flags] -- [vLLM fl
     tokenwire serve --model /models/llama-70b-awq -- --tensor-parallel-size 4 \\
         --gpu-memory-utilization 0.92 --quantization awq --max-num-seqs 128
   --model, --dtype and --max-model-len above are shortcuts for vLLM's flags of
-  the same names; where both are given, the vLLM flag wins (a log line says so).
+  the same names, --kv-cache-gib for --kv-cache-memory-bytes; where both are
+  given, the vLLM flag wins (a log line says so).
   tokenwire forces two settings:
 """
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+# The engines a setting means something to; elsewhere it is ignored.
+ENGINES_OF = {
+    "model": ("vllm", "remote"),  # remote: where its tokenizer comes from
+    "dtype": ("vllm",),
+    "max_model_len": ("vllm",),
+    "kv_cache_gib": ("vllm",),
+    "tool_parser": ("vllm", "remote"),
+    "scripted_tokens_per_s": ("scripted",),
+    "remote_session_header": ("remote",),
+    "remote_timeout_s": ("remote",),
+    "remote_ttft_timeout_s": ("remote",),
+    "remote_priority": ("remote",),
+}
+
+
+class EnvError(ValueError):
+    """A TOKENWIRE_* variable whose value the flag would refuse."""
+
+
 def _env_default(name: str, default: Any) -> Any:
-    raw = os.environ.get(env_name(name))
+    """The flag's default from its environment variable, checked as the flag
+    is: a typo in a container's environment fails at start, naming it."""
+    var = env_name(name)
+    raw = os.environ.get(var)
     if raw is None:
         return default
+    try:
+        value = _from_env(name, raw, default)
+    except ValueError as exc:
+        raise EnvError(f"{var}={raw!r}: {exc}") from None
+    choices = _CHOICES.get(name)
+    if choices is not None and value not in choices:
+        raise EnvError(f"{var}={raw!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _from_env(name: str, raw: str, default: Any) -> Any:
     if isinstance(default, tuple):
         return tuple(part.strip() for part in raw.split(",") if part.strip())
     if isinstance(default, bool):
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(raw)
-    if isinstance(default, float):
-        return float(raw)
-    return raw
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"expected one of {', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}")
+        return word in _TRUE
+    kind = _TYPES.get(name) or (type(default) if default is not None else str)
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"expected {'an integer' if kind is int else 'a number'}") from None
 
 
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:  # `serve [ours] -- [vLLM's]`
         cut = argv.index("--")
         argv, vllm_argv = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except EnvError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if args.command == "models":
         from .models import ModelError, prepare_default_model
 
@@ -205,6 +251,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if config.kv_cache_gib <= 0:
+        print("error: --kv-cache-gib must be above 0", file=sys.stderr)
+        return 2
+    for name, engines in ENGINES_OF.items():
+        if config.engine in engines:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if _given(name, argv, env=False):
+            print(f"error: {flag} applies to --engine {' or '.join(engines)}", file=sys.stderr)
+            return 2
+        if env_name(name) in os.environ:  # a shared environment (Docker) may set it for all
+            print(
+                f"warning: {env_name(name)} is ignored: it applies to --engine "
+                f"{' or '.join(engines)}",
+                file=sys.stderr,
+            )
     allocator = Plan(config.allocator)
     if argv_given is None:  # the process's own command line: it can execute again
         try:
@@ -216,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM's argument module takes seconds to import: only for this engine.
         from .engines.vllm_args import check_or_exit
 
-        check_or_exit(vllm_argv)
+        check_or_exit(vllm_argv, dtype=config.dtype, tool_parser=config.tool_parser)
     if config.engine == "remote":
         from .engines.remote import check_or_exit as check_remote
 
@@ -233,11 +295,11 @@ def _vllm_names_model(config: ServerConfig) -> bool:
     return given_by_vllm(config.vllm_args, "model")
 
 
-def _given(name: str, argv: list[str]) -> bool:
-    """The user set this flag on tokenwire's side (the command line or env)."""
-    flag = "--" + name.replace("_", "-")
-    in_argv = any(a == flag or a.startswith(flag + "=") for a in argv)
-    return in_argv or env_name(name) in os.environ
+def _given(name: str, argv: list[str], env: bool = True) -> bool:
+    """The user set this flag on tokenwire's side (the command line, or env)."""
+    flags = ("--" + name.replace("_", "-"), "--no-" + name.replace("_", "-"))
+    in_argv = any(a in flags or a.startswith(flags[0] + "=") for a in argv)
+    return in_argv or (env and env_name(name) in os.environ)
 
 
 def serve(config: ServerConfig, allocator: Plan) -> int:

@@ -194,3 +194,39 @@ def test_vllm_is_not_imported_for_the_scripted_engine() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_kv_cache_gib_is_a_shortcut_for_kv_cache_memory_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fraction works (vLLM's legacy VLLM_CPU_KVCACHE_SPACE takes whole GiB
+    only), and vLLM's own flag wins over it, as for the other shortcuts."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert settings([], kv_cache_gib=0.5).args.kv_cache_memory_bytes == 2**29
+    made = settings(
+        ["--kv-cache-memory-bytes", "2G"], kv_cache_gib=0.5, shortcuts_given=("kv_cache_gib",)
+    )
+    assert made.args.kv_cache_memory_bytes == 2**31
+    assert any("vLLM's --kv-cache-memory-bytes" in n and "wins" in n for n in made.notes)
+    # The legacy variable, if the user set it, is what vLLM reads: a note says so.
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert any("VLLM_CPU_KVCACHE_SPACE=3" in n for n in settings([], kv_cache_gib=1.0).notes)
+
+
+@pytest.mark.parametrize(
+    ("shortcut", "said"),
+    [
+        ({"dtype": "fp32"}, "--dtype 'fp32': vLLM takes one of auto"),
+        ({"tool_parser": "hermez"}, "--tool-parser 'hermez' is not one of vLLM's tool parsers"),
+    ],
+)
+def test_a_bad_shortcut_value_exits_2_before_the_engine_starts(
+    capsys: pytest.CaptureFixture[str], shortcut: dict[str, str], said: str
+) -> None:
+    from tokenwire.engines.vllm_args import check_or_exit
+
+    with pytest.raises(SystemExit) as exited:
+        check_or_exit([], **shortcut)
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+    check_or_exit([], dtype="float16", tool_parser="hermes")  # good values pass

@@ -103,14 +103,13 @@ class VllmEngine:
             # Conversion of the bundled model (first run only) is CPU-bound.
             path = await asyncio.to_thread(resolve_model, self.config.model)
             self.model_path = str(path)
-        # The flag (or TOKENWIRE_KV_CACHE_GIB) is the one knob; vLLM reads this.
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.config.kv_cache_gib:g}"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         settings = engine_args(
             self.config.vllm_args,
             model=self.model_path,
             dtype=self.config.dtype,
             max_model_len=self.config.max_model_len,
+            kv_cache_gib=self.config.kv_cache_gib,
             shortcuts_given=self.config.shortcuts_given,
         )
         for note in settings.notes:

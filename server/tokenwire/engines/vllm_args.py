@@ -13,6 +13,7 @@ only for `--engine vllm`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -37,6 +38,8 @@ FORCED: tuple[tuple[str, Any, str, str], ...] = (
     ),
 )
 SHORTCUTS = ("model", "dtype", "max_model_len")
+# vLLM's CPU platform reads this legacy variable over --kv-cache-memory-bytes.
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 # On CPUs, float32 is faster than the bfloat16 most checkpoints declare,
 # unless the CPU has AVX512-BF16 (measured: ~20 vs ~15-17 tokens/s here).
 CPU_DTYPE = "float32"
@@ -103,6 +106,7 @@ def engine_args(
     model: str | None,
     dtype: str | None,
     max_model_len: int | None,
+    kv_cache_gib: float | None = None,
     shortcuts_given: Sequence[str] = (),
 ) -> EngineSettings:
     """AsyncEngineArgs from vLLM's flags, tokenwire's shortcuts and FORCED.
@@ -128,14 +132,36 @@ def engine_args(
             setattr(ns, name, ours[name])
         else:
             delattr(ns, name)  # vLLM's own default
-    if not hasattr(ns, "dtype") and _on_cpu():
+    on_cpu = _on_cpu()
+    if not hasattr(ns, "dtype") and on_cpu:
         ns.dtype = CPU_DTYPE
         notes.append(f"dtype {CPU_DTYPE} on this CPU (pass --dtype to choose another)")
+    _kv_cache(ns, kv_cache_gib, "kv_cache_gib" in shortcuts_given, on_cpu, notes)
     for name, value, _, why in FORCED:
         if getattr(ns, name, value) not in (value, None):
             notes.append(f"--{name.replace('_', '-')} is forced to {value}: {why}")
         setattr(ns, name, value)
     return EngineSettings(AsyncEngineArgs.from_cli_args(ns), notes)
+
+
+def _kv_cache(
+    ns: argparse.Namespace, gib: float | None, given: bool, on_cpu: bool, notes: list[str]
+) -> None:
+    """--kv-cache-gib as vLLM's --kv-cache-memory-bytes: on CPUs always (its
+    default, 1 GiB, suits a small model), elsewhere only when given (GPUs
+    size the cache by --gpu-memory-utilization)."""
+    if ns.kv_cache_memory_bytes is not None:
+        if given:
+            notes.append(
+                f"the KV cache is set on both sides; vLLM's --kv-cache-memory-bytes "
+                f"{ns.kv_cache_memory_bytes} wins over tokenwire's --kv-cache-gib {gib:g}"
+            )
+    elif gib is not None and (given or on_cpu):
+        ns.kv_cache_memory_bytes = int(gib * 2**30)
+    legacy = os.environ.get(KV_CACHE_ENV, "")
+    if on_cpu and legacy:
+        # vLLM reads it over --kv-cache-memory-bytes, whoever set that.
+        notes.append(f"{KV_CACHE_ENV}={legacy} in the environment sets the KV cache: {legacy} GiB")
 
 
 def _on_cpu() -> bool:
@@ -144,12 +170,28 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def check_or_exit(argv: Sequence[str]) -> None:
-    """Fail fast, before anything starts: vLLM's parser exits 2 on a bad flag."""
+def check_or_exit(
+    argv: Sequence[str], *, dtype: str | None = None, tool_parser: str | None = None
+) -> None:
+    """Fail fast, before anything starts: vLLM's parser exits 2 on a bad flag,
+    and tokenwire's shortcuts get the same checks."""
     try:
-        parse(argv)
+        made = parser()
+        made.parse_args(list(argv))
     except SystemExit:
         raise
     except Exception as exc:  # a plugin or a config file that cannot be read
         print(f"error: vLLM engine flags: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    choices = next((a.choices for a in made._actions if a.dest == "dtype"), None)
+    if dtype is not None and choices is not None and dtype not in choices:
+        print(f"error: --dtype {dtype!r}: vLLM takes one of {', '.join(choices)}", file=sys.stderr)
+        raise SystemExit(2)
+    from .base import EngineUnavailable
+    from .toolcalls import import_vllm_side
+
+    try:
+        import_vllm_side(tool_parser)
+    except EngineUnavailable as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
         raise SystemExit(2) from None
