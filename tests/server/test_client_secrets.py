@@ -316,6 +316,21 @@ async def test_bodies_websockets_would_drop_are_answered() -> None:
         assert answer.startswith(b"HTTP/1.1 200") and b'"instructions": "pieces"' in answer
 
 
+async def test_no_body_is_read_for_a_refused_client_or_another_route() -> None:
+    """A mint without a valid key, or a POST elsewhere, is answered from its
+    head: no 100 Continue, no body held (up to --max-message-bytes each)."""
+    async with _scripted_server(config()) as running:
+        for path, auth in ((MINT, "Bearer wrong-key"), (MINT, None), ("/v1/other", KEY)):
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\n"
+            if auth:
+                head += f"Authorization: {auth}\r\n"
+            head += "Expect: 100-continue\r\nContent-Length: 900000\r\n\r\n"
+            answer = await raw(running, head.encode())
+            status = b"401" if path == MINT else b"405"
+            assert answer.startswith(b"HTTP/1.1 " + status), (path, auth, answer[:80])
+            assert b"100 Continue" not in answer
+
+
 async def test_routes_and_methods(scripted: RunningServer) -> None:
     status, body = await post(scripted, method="GET")
     assert status == 405 and body["error"]["code"] == "method_not_allowed"
@@ -381,6 +396,7 @@ async def test_secrets_in_memory_are_bounded(monkeypatch: pytest.MonkeyPatch) ->
     from tokenwire.server import client_secrets
 
     monkeypatch.setattr(client_secrets, "MEMORY_BUDGET", 4096)
+    monkeypatch.setattr(client_secrets, "KEY_SHARE", 1)  # the whole store for one key
     async with _scripted_server(config()) as running:
         body = {"session": {"instructions": "x" * 1000}}
         for _ in range(3):
@@ -390,3 +406,18 @@ async def test_secrets_in_memory_are_bounded(monkeypatch: pytest.MonkeyPatch) ->
         start = time.time()
         running.server.admission.secrets.clock = lambda: start + 601  # all have expired
         await mint(running, body)  # the expired ones made room
+
+
+async def test_one_key_cannot_take_the_whole_memory_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its share, one key's mints get 429 while another key still mints."""
+    from tokenwire.server import client_secrets
+
+    monkeypatch.setattr(client_secrets, "MEMORY_BUDGET", 8 * 4096)
+    async with _scripted_server(config()) as running:
+        body = {"session": {"instructions": "x" * 1000}}
+        for _ in range(3):
+            await mint(running, body)  # about 1.3 KiB each, 4 KiB the share
+        status, answer = await post(running, body)
+        assert status == 429 and answer["error"]["code"] == "too_many_client_secrets"
+        assert "for one API key" in answer["error"]["message"]
+        await mint(running, body, key=FLOORED)

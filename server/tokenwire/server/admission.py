@@ -411,6 +411,12 @@ class Admission:
             1 for c in self._accepted if c.transport is not None and not c.transport.is_closing()
         )
 
+    def may_mint(self, authorization: str | None) -> bool:
+        """Whether a mint with this header would pass auth: its body is read then only."""
+        return (
+            not self.keys.enabled or self.keys.verify(presented_key(authorization, ())) is not None
+        )
+
     def mint(self, request: Request, body: bytes | None) -> Response | Awaitable[Response]:
         """`POST /v1/realtime/client_secrets`: needs a server API key (not a
         client secret) when the server has keys; mints anonymously without."""

@@ -353,7 +353,10 @@ class TokenwireServer:
             # The HTTP routes share the port: https:// too with TLS.
             ssl=tls,
             # Reads the body of POST /v1/realtime/client_secrets (server/body.py).
-            create_connection=BodyConnection.with_max_body(self.config.max_message_bytes),
+            create_connection=BodyConnection.with_max_body(
+                self.config.max_message_bytes,
+                lambda path, auth: path == CLIENT_SECRETS_PATH and self.admission.may_mint(auth),
+            ),
         )
 
     def _check_priority_lanes(self, task: asyncio.Task[None]) -> None:

@@ -15,6 +15,7 @@ passes through untouched. No pipelining: websockets closes after an answer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
@@ -37,11 +38,16 @@ class BodyConnection(ServerConnection):
     """A websockets connection that also reads a POST's body."""
 
     max_body = 1 << 20  # set by `with_max_body`
+    # Whether a POST's body is read, from its path and Authorization header:
+    # no body is held for a route that takes none or a client it will refuse.
+    reads: Callable[[str, str | None], bool] = staticmethod(lambda path, authorization: True)
     # Class-level defaults, set on the instance only for a POST: websockets'
     # connection has 27 attributes, and past 30 an instance dict stops sharing
     # its keys (about 1.3 KiB more for every WebSocket connection).
     _head: bytes | None = None  # the POST head for websockets, body headers gone
     _length = 0
+    _scanned = 0  # bytes of the held head searched for its end already
+    _dropping = False  # the body of a POST that is not read: ignored
     body: bytes | None = None
     body_error: BodyError | None = None
 
@@ -50,13 +56,19 @@ class BodyConnection(ServerConnection):
         self._held: bytearray | None = bytearray()  # None once passing through
 
     @classmethod
-    def with_max_body(cls, max_body: int) -> type[BodyConnection]:
-        return type(cls.__name__, (cls,), {"max_body": max_body})
+    def with_max_body(
+        cls, max_body: int, reads: Callable[[str, str | None], bool] | None = None
+    ) -> type[BodyConnection]:
+        attrs: dict[str, Any] = {"max_body": max_body}
+        if reads is not None:
+            attrs["reads"] = staticmethod(reads)
+        return type(cls.__name__, (cls,), attrs)
 
     def data_received(self, data: bytes) -> None:
         held = self._held
         if held is None:  # every WebSocket frame: one check, then websockets
-            super().data_received(data)
+            if not self._dropping:
+                super().data_received(data)
             return
         held += data
         if self._head is None:
@@ -65,15 +77,20 @@ class BodyConnection(ServerConnection):
                     return  # too short to tell yet
                 self._pass(bytes(held))
                 return
-            end = held.find(b"\r\n\r\n")
+            # From where the last search stopped: a head trickled a byte at
+            # a time must not cost a search of all of it per byte.
+            end = held.find(b"\r\n\r\n", max(self._scanned - 3, 0))
             if end < 0:
+                self._scanned = len(held)
                 if len(held) > MAX_HEAD_BYTES:
                     self._pass(bytes(held))
                 return
-            self._head, self._length, self.body_error, expect = _read_head(
-                bytes(held[: end + 2]), self.max_body
-            )
+            head = _read_head(bytes(held[: end + 2]), self.max_body)
+            self._head, self._length, self.body_error, expect = head[:4]
             del held[: end + 4]
+            if self._length and not self.reads(*head[4:]):
+                # websockets answers from the head; the body is not kept.
+                self._length, self._dropping = 0, True
             if self.body_error is not None or self._length == 0:
                 self._pass(self._head)
                 return
@@ -88,15 +105,25 @@ class BodyConnection(ServerConnection):
         super().data_received(data)
 
 
-def _read_head(head: bytes, max_body: int) -> tuple[bytes, int, BodyError | None, bool]:
+_Head = tuple[bytes, int, BodyError | None, bool, str, str | None]
+
+
+def _read_head(head: bytes, max_body: int) -> _Head:
     """The head without its body headers (ending in the blank line), the body's
-    length, what is wrong with it, and whether the client waits for 100 Continue."""
+    length, what is wrong with it, whether the client waits for 100 Continue,
+    the path, and the Authorization header."""
     kept: list[bytes] = []
     lengths: set[bytes] = set()
     chunked = expect = False
-    for i, line in enumerate(head.split(b"\r\n")[:-1]):
+    lines = head.split(b"\r\n")[:-1]
+    target = lines[0].split(b" ")[1] if lines[0].count(b" ") >= 2 else b""
+    path = target.split(b"?", 1)[0].decode("latin-1")
+    authorization: str | None = None
+    for i, line in enumerate(lines):
         name, _, value = line.partition(b":")
         name, value = name.strip().lower(), value.strip()
+        if name == b"authorization" and i:
+            authorization = value.decode("latin-1")
         if i == 0 or name not in _BODY_HEADERS:
             kept.append(line)
         elif name == b"content-length":
@@ -106,13 +133,14 @@ def _read_head(head: bytes, max_body: int) -> tuple[bytes, int, BodyError | None
         else:
             expect = value.lower() == b"100-continue"
     out = b"\r\n".join(kept) + b"\r\n\r\n"
+    who = (path, authorization)
     if chunked:
-        return out, 0, BodyError.LENGTH_REQUIRED, False
+        return out, 0, BodyError.LENGTH_REQUIRED, False, *who
     if not lengths:
-        return out, 0, None, False
+        return out, 0, None, False, *who
     [length, *others] = lengths
     if others or not length.isdigit() or len(length) > 18:
-        return out, 0, BodyError.BAD_LENGTH, False
+        return out, 0, BodyError.BAD_LENGTH, False, *who
     if int(length) > max_body:
-        return out, 0, BodyError.TOO_LARGE, False
-    return out, int(length), None, expect
+        return out, 0, BodyError.TOO_LARGE, False, *who
+    return out, int(length), None, expect, *who

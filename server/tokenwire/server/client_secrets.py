@@ -18,8 +18,9 @@ with it as `Authorization: Bearer ek_...` or as the subprotocol entry
 - Kept by SHA-256 digest only: in this process, or with --redis-url in Redis
   (`RedisStore.put_secret`, expiring with it) so that every instance takes it.
   In this process live secrets may hold at most MEMORY_BUDGET bytes of mint
-  requests (settings can be large): beyond that, minting answers 429 until
-  some expire. In Redis, Redis's own maxmemory is the bound.
+  requests (settings can be large), one key at most KEY_SHARE of them (so one
+  tenant cannot shut minting off for the others): beyond that, minting
+  answers 429 until some expire. In Redis, Redis's own maxmemory is the bound.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import hashlib
 import json
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -54,6 +56,7 @@ DEFAULT_TTL_S = 600
 MIN_TTL_S = 10
 MAX_TTL_S = 7200
 MEMORY_BUDGET = 64 << 20  # bytes of mint requests live secrets may hold in this process
+KEY_SHARE = 8  # one key's secrets may hold at most 1/KEY_SHARE of it
 _RECORD_BYTES = 256  # what a secret costs besides its request body, roughly
 
 
@@ -189,6 +192,7 @@ class ClientSecrets:
         self.clock = clock
         self._memory: dict[str, tuple[ClientSecret, int]] = {}  # digest -> (secret, bytes)
         self._memory_bytes = 0
+        self._key_bytes: Counter[str] = Counter()
 
     async def mint(self, key_id: str, body: bytes | None, min_priority: int | None) -> Response:
         """The answer to a mint request by `key_id` (already authenticated)."""
@@ -233,22 +237,34 @@ class ClientSecrets:
             except RedisError as exc:
                 raise SecretsUnavailable(str(exc)) from None
             return
-        if self._memory_bytes + size > MEMORY_BUDGET:
-            self._prune()  # expired ones go in bulk, only when the budget is reached
-            if self._memory_bytes + size > MEMORY_BUDGET:
+        kid = secret.key_id
+        if not self._fits(kid, size):
+            self._prune()  # expired ones go in bulk, only when a budget is reached
+            if not self._fits(kid, size):
                 raise MintError(
                     HTTPStatus.TOO_MANY_REQUESTS,
                     "too_many_client_secrets",
-                    "this server holds as many client secrets as it keeps in memory; "
-                    "retry when some have expired",
+                    "this server holds as many client secrets as it keeps in memory"
+                    + ("" if self._memory_bytes + size > MEMORY_BUDGET else " for one API key")
+                    + "; retry when some have expired",
                 )
         self._memory[key] = (secret, size)
         self._memory_bytes += size
+        self._key_bytes[kid] += size
+
+    def _fits(self, key_id: str, size: int) -> bool:
+        return (
+            self._memory_bytes + size <= MEMORY_BUDGET
+            and self._key_bytes[key_id] + size <= MEMORY_BUDGET // KEY_SHARE
+        )
 
     def _prune(self) -> None:
         now = self.clock()
         self._memory = {k: v for k, v in self._memory.items() if v[0].expires_at > now}
         self._memory_bytes = sum(size for _, size in self._memory.values())
+        self._key_bytes = Counter()
+        for secret, size in self._memory.values():
+            self._key_bytes[secret.key_id] += size
 
 
 def unavailable_response() -> Response:
