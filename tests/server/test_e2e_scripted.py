@@ -284,8 +284,9 @@ async def test_a_bad_stream_interval_is_an_invalid_field(
 
 
 async def test_drained_without_redis_a_socket_starts_nothing_more() -> None:
-    """The drain ends the session with its socket still open: a frame sent
-    after that starts no response, and the socket is closed with 1001."""
+    """The drain ends the session with its socket still open: the client,
+    idle, gets session.going_away first; a frame sent after that starts no
+    response, and the socket is closed with 1001."""
     from tokenwire.config import ServerConfig
     from tokenwire.engines.scripted import ScriptedEngine
     from tokenwire.server import TokenwireServer
@@ -299,11 +300,13 @@ async def test_drained_without_redis_a_socket_starts_nothing_more() -> None:
             runtime = srv.sessions[sid]
             await srv.drain()
             request = {"type": "response.create", "response": {"max_output_tokens": 1000}}
+            got = []
             with pytest.raises(ConnectionClosed):
                 await ws.send(json.dumps(request))
-                while True:  # session.going_away, then nothing but the close
-                    event = json.loads(await asyncio.wait_for(ws.recv(), 5))
-                    assert event["type"] == "session.going_away"
+                while True:  # going away, then nothing but the close
+                    got.append(json.loads(await asyncio.wait_for(ws.recv(), 5)))
+            # No subprotocol: the OpenAI dialect, whose going_away is this error.
+            assert [e["error"]["code"] for e in got] == ["server_shutting_down"]
             assert ws.close_code == 1001
         assert not runtime.tasks and not runtime.session.active_responses
         assert srv.engine.load().running == 0

@@ -44,6 +44,7 @@ log = get_logger("tokenwire.server")
 
 REALTIME_PATH = "/v1/realtime"
 CLIENT_SECRETS_PATH = "/v1/realtime/client_secrets"
+DRAIN_FLUSH_S = 1.0  # how long writers get to send what is queued before sessions end
 BETA_SESSIONS_PATH = "/v1/realtime/sessions"  # the beta's ephemeral keys
 
 # A POST body websockets' connection could not read (server/body.py).
@@ -409,6 +410,8 @@ class TokenwireServer:
         if self.store is not None:
             # Concurrently, and bounded: Redis may not answer.
             failed = await cluster.hand_over_all(runtimes, self.config.drain_timeout_s)
+        else:
+            await _written(runtimes, DRAIN_FLUSH_S)  # session.going_away, if nothing else
         for runtime in runtimes:
             await self.registry.end_session(runtime)
         if self.store is not None:
@@ -480,3 +483,12 @@ def _ignore_result(task: asyncio.Task[None]) -> None:
     # The failure is logged and reported by the engine; don't warn twice.
     if not task.cancelled():
         task.exception()
+
+
+async def _written(runtimes: list[SessionRuntime], timeout_s: float) -> None:
+    """Until the live sockets' writers have sent what is queued (bounded): an
+    ending session clears its queue, and an idle one's writer may not have run."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline and any(r.delivery.live and r.delivery.outbox for r in runtimes):
+        await asyncio.sleep(0.01)
