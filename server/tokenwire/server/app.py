@@ -490,5 +490,7 @@ async def _written(runtimes: list[SessionRuntime], timeout_s: float) -> None:
     ending session clears its queue, and an idle one's writer may not have run."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while loop.time() < deadline and any(r.delivery.live and r.delivery.outbox for r in runtimes):
+    while loop.time() < deadline:
+        if not any(r.delivery.live and r.delivery.outbox for r in runtimes):
+            return
         await asyncio.sleep(0.01)
