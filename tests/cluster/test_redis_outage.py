@@ -405,3 +405,48 @@ async def test_a_forward_for_a_session_not_held_here_drops_nothing(
         await a.server.registry.on_forward(sid, "attach", {"last_seq": 0}, "follower-1")
         assert (await store.meta(sid)).owner == store.instance_id  # type: ignore[union-attr]
         await store.drop(sid)
+
+
+async def test_a_takeover_that_cannot_rebuild_the_session_drops_it(
+    redis_server: RedisServer,
+) -> None:
+    """B claims a dead owner's session, but its log holds an entry B cannot
+    fold in: the resume gets session_not_found, the session is gone from
+    Redis (not left claimed by B, which does not run it), and the key's
+    response count on B is back to none."""
+    from tokenwire.storage.redis import Entry, pack
+
+    async with (
+        serving(redis_server.url, resume_grace_s=60, scripted_tokens_per_s=2) as a,
+        serving(redis_server.url, resume_grace_s=60) as b,
+    ):
+        ws = await open_ws(a.url)
+        sid = (await recv(ws))["session"]["id"]
+        await ws.send(json.dumps({"type": "response.create", "response": {}}))
+        rid = ""
+        while not rid:
+            event = await recv(ws)
+            rid = event["response"]["id"] if event["type"] == "response.created" else ""
+        ws.transport.abort()
+        await until(lambda: a.server.sessions[sid].state == "detached", "the socket dropped")
+        await a.server.store.release()  # A's lease is gone: as if it died
+        store = b.server.store
+        assert store is not None
+        load = store.load
+
+        async def corrupt(session_id: str):  # type: ignore[no-untyped-def]
+            state, entries = await load(session_id)
+            bad = {"type": "response.output_text.delta", "response_id": rid}  # no delta
+            return state, [*entries, Entry(10**6, pack(bad), None)]
+
+        store.load = corrupt  # type: ignore[method-assign]
+        other = await open_ws(b.url)
+        await recv(other)  # its own session.created
+        await other.send(json.dumps({"type": "session.resume", "session_id": sid, "last_seq": 1}))
+        event = await recv(other)
+        assert event["type"] == "error" and event["error"]["code"] == "session_not_found"
+        assert await store.meta(sid) is None
+        assert sid not in b.server.sessions
+        usage = b.server.admission.limiter.keys.get("anonymous")
+        assert usage is not None and usage.responses == 0
+        await other.close()

@@ -356,3 +356,35 @@ def test_a_restored_session_keeps_the_rules_of_the_dialect_it_began_with() -> No
     (created,) = drive(r, first)
     assert created["type"] == "conversation.item.created"
     assert [i["content"] for i in r.items] == [USER["content"], "second"]
+
+
+def test_a_restore_that_fails_holds_none_of_the_keys_response_slots() -> None:
+    """A corrupt snapshot, or a malformed entry logged after it (a newer
+    version's shape, say): the restore fails, and the key's response count
+    is what it was, not one more per response it had read."""
+    from types import SimpleNamespace
+
+    from tokenwire.runtime.session_runtime import _restore
+    from tokenwire.server.admission import KeyUsage
+
+    s = Session()
+    rid, _ = start(s, "one")
+    start(s, "two", conversation="none")
+    usage = KeyUsage("k", 8, None)
+    broken = over_the_wire(s)
+    del broken["responses"][1]["status"]  # the second of two responses is corrupt
+    with pytest.raises(KeyError):
+        Session.restore(broken, quota=usage)
+    assert usage.responses == 0
+    state = {"session": over_the_wire(s), "seq": 3}
+    entry = SimpleNamespace(
+        decoded={"type": "response.output_text.delta", "response_id": rid},  # no delta
+        progress=None,
+        client_events=None,
+        seq=4,
+    )
+    with pytest.raises(KeyError):
+        _restore((state, [entry]), {"quota": usage})
+    assert usage.responses == 0
+    _restore((state, []), {"quota": usage})  # whole, it holds both
+    assert usage.responses == 2

@@ -101,16 +101,18 @@ def restore_into(session: Session, state: dict[str, Any]) -> None:
     for rs in state["responses"]:
         resp = _restore_response(session, rs, now, wall, private_ids)
         lifecycle.responses[resp.id] = resp
-        if lifecycle.quota is not None:
-            # It runs already: counted even past the key's limits (an
-            # acquire could refuse, and its release would then undercount).
-            lifecycle.quota.hold_response()
         if resp.status is ResponseStatus.REQUIRES_ACTION:
             lifecycle.wait_for_tools(resp)
     for cid, (item_id, rid, done) in state["calls"].items():
         item = conv.by_id.get(item_id)
         if item is not None:
             lifecycle.calls[cid] = (item, rid, done)
+    if lifecycle.quota is not None:
+        # Once the whole state is read (a failed restore holds nothing). They
+        # run already: counted even past the key's limits (an acquire could
+        # refuse, and its release would then undercount).
+        for _ in lifecycle.responses:
+            lifecycle.quota.hold_response()
 
 
 def _restore_response(

@@ -508,13 +508,17 @@ def _restore(
     state, entries = restored
     session = Session.restore(state["session"], **kwargs)
     logged_seq = state["seq"]
-    for entry in entries:
-        session.replay_delta(entry.decoded)
-        if entry.progress:
-            session.restore_progress(entry.progress)
-        if entry.client_events is not None:
-            session.client_events = entry.client_events
-        logged_seq = entry.seq
+    try:
+        for entry in entries:
+            session.replay_delta(entry.decoded)
+            if entry.progress:
+                session.restore_progress(entry.progress)
+            if entry.client_events is not None:
+                session.client_events = entry.client_events
+            logged_seq = entry.seq
+    except Exception:
+        session.lifecycle.abandon()  # the key's response slots the restore held
+        raise
     return session, logged_seq
 
 

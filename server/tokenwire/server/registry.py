@@ -15,6 +15,7 @@ from ..core.errors import ErrorCode, ProtocolError
 from ..core.schema import SessionResume
 from ..core.stages import Stage
 from ..engines.base import Engine
+from ..logs import get_logger
 from ..runtime import cluster
 from ..runtime.follower import Follower
 from ..runtime.session_runtime import GONE, RuntimeState, SessionRuntime
@@ -24,6 +25,8 @@ from ..storage.redis_log import RedisLog
 from .admission import KeyUsage, Limiter
 from .collector import COLLECTOR
 from .memory import Reclaimer
+
+log = get_logger("tokenwire.server")
 
 # A session with no socket of its own here, waiting for a resume.
 _WAITING = frozenset({RuntimeState.DETACHED, RuntimeState.REMOTE})
@@ -148,7 +151,16 @@ class Registry:
                 await self.store.drop(sid)
             return None
         usage = self.limiter.usage(meta.key_id or "anonymous")
-        runtime = await self.new_session(usage, None, loaded)
+        try:
+            runtime = await self.new_session(usage, None, loaded)
+        except Exception:
+            # Its state cannot be rebuilt (a corrupt entry, a newer version's
+            # shape): gone for all, not claimed by one that does not run it.
+            log.exception("takeover_restore_failed", session_id=sid)
+            with contextlib.suppress(Exception):
+                await self.store.drop(sid)
+            self.limiter.forget_idle(usage.key_id)
+            return None
         runtime.log.info("session_taken_over", previous_owner=meta.owner)
         metrics.TAKEOVERS.inc()
         # Generations continue after the tokens the old owner logged; the
