@@ -450,3 +450,29 @@ async def test_a_takeover_that_cannot_rebuild_the_session_drops_it(
         usage = b.server.admission.limiter.keys.get("anonymous")
         assert usage is not None and usage.responses == 0
         await other.close()
+
+
+async def test_a_follower_whose_client_stops_reading_closes_it(redis_server: RedisServer) -> None:
+    """The client follows on B and stops reading while A generates: B's sends
+    block, and after --slow-client-timeout-s B closes the socket (4008) and
+    the session ends on A, as it would for a client of A's own. Without the
+    clock, B's follower waited in a send for good, holding socket and slot."""
+    from ..helpers.wire import raw_client
+
+    async with (
+        serving(redis_server.url, resume_grace_s=60, scripted_tokens_per_s=4000) as a,
+        serving(redis_server.url, slow_client_timeout_s=1, sndbuf=4096) as b,
+    ):
+        sid = await detached_session(a)
+        ws = await raw_client(b.url)
+        await ws.send(json.dumps({"type": "session.resume", "session_id": sid, "last_seq": 1}))
+        await until(lambda: b.server.followers, "B follows the session")
+        create = {
+            "type": "response.create",
+            "response": {"ignore_eos": True, "max_output_tokens": 4000},
+        }
+        await ws.send(json.dumps(create))  # and read nothing more
+        await until(lambda: not b.server.followers, "B closed the follower", timeout=20)
+        await until(lambda: sid not in a.server.sessions, "the session ended on A")
+        assert b.server.health()["connections"] == 0
+        ws.transport.abort()

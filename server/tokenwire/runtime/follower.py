@@ -28,7 +28,7 @@ from ..core.limits import TokenBucket
 from ..logs import get_logger
 from ..storage.redis import RedisStore
 from ..wire import Dialect
-from ..wire.close_codes import CLOSE_SERVICE_RESTART
+from ..wire.close_codes import CLOSE_SERVICE_RESTART, CLOSE_SLOW_CLIENT
 from .socket import Outcome
 from .ws import close_or_abort, fell_behind_the_log, pace_reading
 
@@ -42,6 +42,7 @@ class Follower:
         session_id: str,
         owner: str,
         ping_s: float,
+        slow_s: float = 0.0,
     ) -> None:
         self.store = store
         self.session_id = session_id
@@ -50,6 +51,8 @@ class Follower:
         # client has left (its late frames or detach would land in the session).
         self.id = uuid.uuid4().hex[:12]
         self._ping_s = ping_s
+        self._slow_s = slow_s or None  # --slow-client-timeout-s; 0: none
+        self._slow = False
         self.log = log.bind(session_id=session_id, owner=owner, follower=self.id)
         self._ws: ServerConnection | None = None
 
@@ -66,18 +69,24 @@ class Follower:
         reader = asyncio.create_task(self._forward_frames(ws, budget))
         self.log.info("following", last_seq=sent)
         last_ping = time.monotonic()
+        loop = asyncio.get_running_loop()
         try:
             while not reader.done():
                 entries = await self.store.follow(
                     self.session_id, sent, block_ms=int(self._ping_s * 1000)
                 )
-                for entry in entries:
-                    if entry.seq != sent + 1:  # trimmed past this client (MAXLEN)
-                        await fell_behind_the_log(ws, dialect, sent, entry.seq)
-                        return "ended"
-                    for frame in dialect.from_logged(entry.event):
-                        await ws.send(frame)
-                    sent = entry.seq
+                # A client that stopped reading blocks a send for good: as on
+                # the owner, it is closed with 4008 after --slow-client-timeout-s.
+                async with asyncio.timeout(None) as clock:
+                    for entry in entries:
+                        if entry.seq != sent + 1:  # trimmed past this client (MAXLEN)
+                            await fell_behind_the_log(ws, dialect, sent, entry.seq)
+                            return "ended"
+                        for frame in dialect.from_logged(entry.event):
+                            if self._slow_s:
+                                clock.reschedule(loop.time() + self._slow_s)
+                            await ws.send(frame)
+                        sent = entry.seq
                 due = time.monotonic() - last_ping >= self._ping_s
                 if due:
                     last_ping = time.monotonic()
@@ -102,8 +111,14 @@ class Follower:
             return "ended" if reader.result() else "lost"
         except ConnectionClosed:
             return "lost"
+        except TimeoutError:
+            self._slow = True
+            self.log.warning("slow_client_closed", last_seq=sent)
+            await close_or_abort(ws, CLOSE_SLOW_CLIENT, "client is not reading")
+            return "ended"
         finally:
             clean = reader.done() and not reader.cancelled() and reader.result() is True
+            clean = clean or self._slow  # 4008 ends the session, as on the owner
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader

@@ -25,7 +25,7 @@ from ..runtime import cluster
 from ..runtime.follower import Follower
 from ..runtime.session_runtime import GONE, RuntimeState, SessionRuntime, until_detached
 from ..runtime.socket import ClientSocket, Handoff, Outcome
-from ..runtime.ws import close_or_abort, inbound_budget
+from ..runtime.ws import close_or_abort, inbound_budget, set_sndbuf
 from ..stages import build_stages
 from ..storage.redis import RedisStore
 from ..wire import dialect_for, select_subprotocol
@@ -287,6 +287,8 @@ class TokenwireServer:
         budget: TokenBucket | None,
     ) -> Outcome:
         if isinstance(runtime, Follower):
+            if self.config.sndbuf:  # as an owner's socket gets it (runtime.delivery)
+                set_sndbuf(ws, self.config.sndbuf)
             self.followers.add(runtime)
             try:
                 return await runtime.serve(ws, dialect, resume_from, budget)

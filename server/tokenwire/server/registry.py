@@ -116,7 +116,13 @@ class Registry:
         if bounds is not None and (problem := resume_problem(event.last_seq, *bounds)):
             raise _not_possible(event, problem)
         if meta.owner != self.store.instance_id and await self.store.alive(meta.owner):
-            return Follower(self.store, sid, meta.owner, self.config.lease_s / 2)
+            return Follower(
+                self.store,
+                sid,
+                meta.owner,
+                self.config.lease_s / 2,
+                self.config.slow_client_timeout_s,
+            )
         taken = await self.take_over(sid, meta)
         if taken is None:
             raise _not_found(event)
