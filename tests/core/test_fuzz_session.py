@@ -12,11 +12,14 @@ All randomness is seeded (see helpers.fuzz.FUZZ).
 from __future__ import annotations
 
 import copy
+import http.server
 import json
 import math
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -605,6 +608,69 @@ def test_session_unresolvable_schema_ref_fails_the_response() -> None:
     assert [e["type"] for e in events][-2:] == ["error", "response.done"]
     assert events[-2]["error"]["code"] == "invalid_tool_arguments"
     assert events[-1]["response"]["status"] == "failed"
+
+
+def _called(tool: dict, arguments: str) -> list[dict]:
+    """The events of a forced call of `tool` the model made with `arguments`."""
+    h = Harness()
+    reply = h.client({"type": "session.update", "session": {"tools": [tool]}})
+    assert reply[0]["type"] == "session.updated"
+    h.client({"type": "response.create", "response": {"tool_choice": "required"}})
+    (rid,) = h.live
+    return h.engine_output(
+        rid, EngineDelta("", 1, "stop", tool_calls=[ToolCallDelta(0, tool["name"], arguments)])
+    )
+
+
+def _failed_on_arguments(events: list[dict]) -> str:
+    assert [e["type"] for e in events][-2:] == ["error", "response.done"]
+    assert events[-2]["error"]["code"] == "invalid_tool_arguments"
+    assert events[-1]["response"]["status"] == "failed"
+    return events[-2]["error"]["message"]
+
+
+def test_a_schema_ref_beyond_the_schema_is_never_fetched(tmp_path: Path) -> None:
+    """A client's schema may not make the server fetch a URL or read a file
+    (on the event loop, with no timeout): such a $ref is unresolvable."""
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"type": "integer"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    local = tmp_path / "local.json"
+    local.write_text('{"const": "contents-of-a-local-file"}')
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        for ref in (f"{url}/ref", local.as_uri()):
+            tool = {"name": "f", "parameters": {"properties": {"x": {"$ref": ref}}}}
+            message = _failed_on_arguments(_called(tool, '{"x": "s"}'))
+            assert "Unresolvable" in message and "contents-of" not in message
+        relative = {"$id": f"{url}/root/", "properties": {"x": {"$ref": "rel"}}}
+        _failed_on_arguments(_called({"name": "f", "parameters": relative}, '{"x": "s"}'))
+    finally:
+        server.shutdown()
+    assert hits == []
+    # A $ref within the schema still resolves.
+    inner = {"$defs": {"i": {"type": "integer"}}, "properties": {"x": {"$ref": "#/$defs/i"}}}
+    message = _failed_on_arguments(_called({"name": "f", "parameters": inner}, '{"x": "s"}'))
+    assert "'s' is not of type 'integer'" in message
+
+
+def test_arguments_nested_too_deeply_fail_the_response() -> None:
+    """json.loads raises RecursionError past ~1000 levels: the response fails
+    with a message, rather than staying in_progress with its request gone."""
+    tool = {"name": "f", "parameters": {"type": "object"}}
+    message = _failed_on_arguments(_called(tool, '{"a": ' + "[" * 5000))
+    assert message.endswith("the arguments nest too deeply to parse")
 
 
 STEPS = ["client"] * 5 + ["text"] * 3 + ["tool"] * 2 + ["error", "timeout", "pause", "resume"]

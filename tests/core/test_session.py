@@ -438,6 +438,10 @@ def test_frames_that_do_not_parse_count_against_the_event_rate(clock: Clock) -> 
         ),
         ({"type": "conversation.item.retrieve", "item_id": "\x01" * 100_000}, "item_id"),
         ({"type": "conversation.item.delete", "item_id": "i" * 129}, "item_id"),
+        (
+            {"type": "session.update", "session": {"tool_choice": {"name": "x" * 500_000}}},
+            "session.tool_choice.name",
+        ),
         ({"type": "response.cancel", "response_id": "r" * 129}, "response_id"),
         ({"type": "response.steer", "response_id": "r" * 129, "input": "x"}, "response_id"),
         (
@@ -510,6 +514,42 @@ def test_a_missing_field_is_named_in_param(session: Session) -> None:
     )
     assert error["error"]["code"] == "missing_field"
     assert error["error"]["param"] == "item.call_id"
+
+
+@pytest.mark.parametrize(
+    ("event", "code", "param"),
+    [
+        ({"type": "conversation.item.create", "item": {}}, "missing_field", "item.type"),
+        (
+            {"type": "response.create", "response": {"input": [{"role": "user"}]}},
+            "missing_field",
+            "response.input.0.type",
+        ),
+        (
+            {"type": "session.update", "session": {"tool_choice": {"type": "function"}}},
+            "missing_field",
+            "session.tool_choice.name",
+        ),
+        (
+            {"type": "response.create", "response": {"tool_choice": {"name": "f", "x": 1}}},
+            "unknown_field",
+            "response.tool_choice.x",
+        ),
+        (
+            {"type": "session.update", "session": {"tool_choice": "sometimes"}},
+            "invalid_field",
+            "session.tool_choice",
+        ),
+    ],
+)
+def test_a_union_field_names_what_is_wrong_with_the_shape_given(
+    session: Session, event: dict[str, object], code: str, param: str
+) -> None:
+    """An item without a type, or a named tool_choice missing its name, is a
+    missing field, not "should be 'auto', 'none' or 'required'"."""
+    (error,) = drive(session, event)
+    assert (error["error"]["code"], error["error"]["param"]) == (code, param)
+    assert "discriminator" not in error["error"]["message"]
 
 
 def test_a_resume_frame_mid_session_is_not_counted(session: Session) -> None:

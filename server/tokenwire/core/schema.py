@@ -13,8 +13,10 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StringConstraints,
+    Tag,
     TypeAdapter,
     ValidationError,
 )
@@ -105,12 +107,15 @@ class FunctionCallOutputItem(BaseModel):
 Item = Annotated[MessageItem | FunctionCallOutputItem, Field(discriminator="type")]
 
 
+ToolName = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+]
+
+
 class FunctionTool(BaseModel):
     model_config = _STRICT
     type: Literal["function"] = "function"
-    name: Annotated[
-        str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    ]
+    name: ToolName
     description: str | None = None
     # Any, not JsonValue: every value passed check_values (the frame's, or the
     # session's own), and pydantic's walk of a JSON value took ~0.5 s a MiB.
@@ -120,10 +125,20 @@ class FunctionTool(BaseModel):
 class NamedToolChoice(BaseModel):
     model_config = _STRICT
     type: Literal["function"] = "function"
-    name: str
+    name: ToolName
 
 
-ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+def _choice_kind(value: Any) -> str:
+    return "function" if isinstance(value, dict | NamedToolChoice) else "mode"
+
+
+# By shape: a map's errors are the named choice's (a missing name, a stray key),
+# not "should be 'auto', 'none' or 'required'".
+ToolChoice = Annotated[
+    Annotated[Literal["auto", "none", "required"], Tag("mode")]
+    | Annotated[NamedToolChoice, Tag("function")],
+    Discriminator(_choice_kind),
+]
 
 
 class _Settings(BaseModel):
@@ -253,7 +268,7 @@ _EVENT_TYPES: dict[str, TypeAdapter[Any]] = {
 CLIENT_EVENT_TYPES = frozenset(_EVENT_TYPES)
 
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
-_TAGS = {"message", "function_call_output"}
+_TAGS = {"message", "function_call_output", "mode"}
 
 
 def _path_in(obj: Any, loc: tuple[int | str, ...]) -> list[str]:
@@ -336,5 +351,12 @@ def parse_client_event(obj: Any) -> ClientEvent:
         # Both may quote the client's keys and values: an error stays small.
         param = ".".join(_path_in(obj, first["loc"]))[:256]
         code = _PYDANTIC_CODES.get(first["type"], ErrorCode.INVALID_FIELD)
-        message = f"{param or 'event'}: {first['msg']}"
+        why = first["msg"]
+        if first["type"] == "union_tag_not_found":  # an item without a type
+            param, code, why = (
+                f"{param}.type" if param else "type",
+                ErrorCode.MISSING_FIELD,
+                "Field required",
+            )
+        message = f"{param or 'event'}: {why}"
         raise ProtocolError(code, message[:512], event_id=event_id, param=param) from None

@@ -8,6 +8,8 @@ from enum import StrEnum
 from typing import Any
 
 import jsonschema
+from referencing import Registry
+from referencing.exceptions import NoSuchResource
 
 from .errors import ErrorCode, ProtocolError
 from .schema import NamedToolChoice
@@ -151,6 +153,16 @@ _ArgumentsValidator = jsonschema.validators.extend(
 )
 
 
+def _no_retrieval(uri: str) -> Any:
+    raise NoSuchResource(ref=uri)
+
+
+# A $ref beyond the schema itself (http:, file:, a relative one under an $id)
+# is unresolvable: a client's schema must not make the server fetch a URL or
+# read a file, on the event loop (jsonschema would, by default).
+_LOCAL_ONLY: Registry[Any] = Registry(retrieve=_no_retrieval)
+
+
 def check_arguments(item: dict[str, Any], tools: dict[str, dict[str, Any]]) -> str | None:
     """What is wrong with a call the model made, or None."""
     tool = tools.get(item["name"])
@@ -160,10 +172,12 @@ def check_arguments(item: dict[str, Any], tools: dict[str, dict[str, Any]]) -> s
         arguments = json.loads(item["arguments"])
     except ValueError as exc:
         return f"the arguments are not valid JSON ({exc})"
+    except RecursionError:
+        return "the arguments nest too deeply to parse"
     budget = _budget[0] = CHECK_BUDGET + CHECKS_PER_CHARACTER * len(item["arguments"])
     try:
         error = jsonschema.exceptions.best_match(
-            _ArgumentsValidator(tool["parameters"]).iter_errors(arguments)
+            _ArgumentsValidator(tool["parameters"], registry=_LOCAL_ONLY).iter_errors(arguments)
         )
     except _TooCostly:
         return (
