@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from websockets.asyncio.client import ClientConnection
@@ -19,6 +20,7 @@ from websockets.asyncio.client import ClientConnection
 from tokenwire.client import connect
 from tokenwire.config import ServerConfig
 from tokenwire.engines.scripted import ScriptedEngine
+from tokenwire.runtime.ws import data_frame
 from tokenwire.server import TokenwireServer
 from tokenwire.wire.close_codes import CLOSE_SLOW_CLIENT
 
@@ -341,3 +343,152 @@ async def resume_and_never_read(server: TokenwireServer) -> None:
     assert runtime.delivery.outbox.pending_bytes == 0 and not runtime.tasks
     await until(lambda: not server.connections, "its socket closed")
     ws.transport.abort()
+
+
+class _SlowTransport:
+    """A socket buffer the test fills and empties by hand (`size`)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.closing = False
+        self.written: list[bytes] = []
+
+    def get_write_buffer_size(self) -> int:
+        return self.size
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (8192, 32768)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def writelines(self, data: list[bytes]) -> None:
+        self.written.extend(data)
+
+    def abort(self) -> None:
+        self.closing, self.size = True, 0
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def fall_behind(self, why: str) -> None:
+        self.calls.append("fall_behind")
+
+    def caught_up(self) -> None:
+        self.calls.append("caught_up")
+
+    def slow_client(self) -> None:
+        self.calls.append("slow_client")
+
+    def log_state(self, events: list[dict]) -> Any:
+        from tokenwire.storage.eventlog import LogState
+
+        return LogState(None, {}, 0)
+
+    async def lost_ownership(self) -> None:
+        pass
+
+
+def _slow_socket(gate: asyncio.Event, closed: asyncio.Event) -> Any:
+    """A websockets connection over `_SlowTransport`: `send` and `drain` wait
+    on `gate` while the buffer is over websockets' 32 KiB, as they would."""
+    from types import SimpleNamespace
+
+    from websockets.protocol import State
+    from websockets.server import ServerProtocol
+
+    transport = _SlowTransport()
+    ws = SimpleNamespace(protocol=ServerProtocol(), transport=transport, remote_address=None)
+    ws.protocol.state = State.OPEN
+
+    async def send(message: str | bytes) -> None:
+        transport.write(data_frame(message))
+        if transport.size > 32768:
+            await gate.wait()
+
+    async def drain() -> None:
+        await gate.wait()
+
+    async def wait_closed() -> None:
+        await closed.wait()
+
+    ws.send, ws.drain, ws.wait_closed = send, drain, wait_closed
+    return ws
+
+
+async def test_an_events_frames_are_not_overtaken_once_the_client_catches_up() -> None:
+    """The OpenAI dialect writes one event as several frames. The writer used
+    to send them one by one, waiting after the first while the client was a
+    little behind; once it caught up, the next token's direct write went out
+    before the rest: text out of order, a delta before its content part."""
+    from tokenwire.runtime.delivery import Delivery, Pace
+    from tokenwire.storage.eventlog import MemoryLog
+    from tokenwire.wire import dialect_for
+
+    from ..helpers.socket import sent_events
+
+    gate, closed = asyncio.Event(), asyncio.Event()
+    ws = _slow_socket(gate, closed)
+    d = Delivery(_Owner(), MemoryLog(1 << 20), dialect_for(None), Pace(65536, 262144, 5, 30))
+    d.attach(ws, d.dialect)
+    d.go_live()
+    d.start_writer()
+    created = {"id": "r1", "conversation": "auto", "output": []}
+    d.send([{"type": "session.created", "session": {"id": "sess_x"}}])
+    d.send([{"type": "response.created", "response": created}])
+    delta = {"type": "response.output_text.delta", "response_id": "r1", "item_id": "i1"}
+    ws.transport.size = 40000  # a little behind: over websockets' 32 KiB, under high water
+    d.send([{**delta, "delta": "Hello"}])  # its first delta: four frames in this dialect
+    await asyncio.sleep(0)  # the writer takes it
+    ws.transport.size = 0  # the client read it all
+    d.send([{**delta, "delta": " world"}])
+    gate.set()
+    await asyncio.sleep(0.01)
+    kinds = [e["type"] for e in sent_events(ws)]
+    texts = [e["delta"] for e in sent_events(ws) if e["type"] == "response.output_text.delta"]
+    assert texts == ["Hello", " world"]
+    assert kinds.index("response.content_part.added") < kinds.index("response.output_text.delta")
+    await d.stop()
+
+
+async def test_a_socket_that_dies_while_behind_resumes_no_generation() -> None:
+    """The writer waits for a client that is behind to read. If the socket is
+    aborted instead (its buffer then empties too), that is no client that
+    caught up: paused generations stay paused, not resubmitted for nobody."""
+    from websockets.protocol import State
+
+    from tokenwire.runtime.delivery import Delivery, Pace
+    from tokenwire.storage.eventlog import MemoryLog
+    from tokenwire.wire import dialect_for
+
+    gate, closed = asyncio.Event(), asyncio.Event()
+    ws = _slow_socket(gate, closed)
+    owner = _Owner()
+    d = Delivery(
+        owner, MemoryLog(1 << 20), dialect_for("tokenwire.v1.json"), Pace(65536, 262144, 5, 30)
+    )
+    d.attach(ws, d.dialect)
+    d.go_live()
+    d.start_writer()
+    delta = {"type": "response.output_text.delta", "response_id": "r", "item_id": "i"}
+    d.send([{**delta, "delta": "x"}])
+    ws.transport.size = 300_000  # a stalled client: over the hard cap
+    d.send([{**delta, "delta": "y"}])
+    assert owner.calls == ["fall_behind"]
+    d.paused = True  # what the owner does when it pauses a generation
+    await asyncio.sleep(0.01)  # the writer waits for the client to read
+    ws.transport.abort()
+    ws.protocol.state = State.CLOSED
+    closed.set()
+    gate.set()  # websockets resolves drain waiters when the connection is lost
+    await asyncio.sleep(0.01)
+    assert owner.calls == ["fall_behind"] and d.paused and not d.live
+    await d.stop()

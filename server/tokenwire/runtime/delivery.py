@@ -187,7 +187,8 @@ class Delivery:
         return sent
 
     async def _write_paced(self, ws: ServerConnection, messages: list[Frame]) -> None:
-        """A replay's write: under the slow-client clocks (`ws.send`'s wait has none)."""
+        """A replay's or the writer's write: under the slow-client clocks
+        (`ws.send`'s wait has none)."""
         if ws.protocol.state is not _OPEN:
             raise ConnectionClosedError(None, None)  # closed (as slow) meanwhile
         write_messages(ws, messages)
@@ -427,26 +428,20 @@ class Delivery:
             await self._send_batch(batch)
 
     async def _send_batch(self, batch: list[tuple[dict[str, Any], Frame]]) -> None:
-        """Send logged events (each with its logged frame); to a socket with an empty
-        buffer in one write, without `ws.send`'s wait (as `send` does without a log)."""
-        logged_by = self.dialect
+        """Send logged events (each with its logged frame) in one write, then
+        wait while the client is behind. All of it at once: an event's frames
+        (several in the OpenAI dialect) sent one by one, with waits between,
+        could be overtaken by a direct write once the client caught up."""
         ws = self.ws if self.live else None
-        if ws is not None and writable_now(ws):
-            messages: list[Frame] = []
-            for event, frame in batch:
-                if event["seq"] > self.sent_seq:  # else the replay sent it already
-                    self.sent_seq, self.sent_by_writer = event["seq"], self.sent_by_writer + 1
-                    messages += frames_of(event, frame, logged_by, self.dialect)
-            if messages:
-                write_messages(ws, messages)
+        if ws is None:
             return
+        logged_by, messages = self.dialect, []
         for event, frame in batch:
-            ws = self.ws if self.live else None
-            if ws is None or event["seq"] <= self.sent_seq:
-                continue  # no socket, or the replay sent it already
-            self.sent_seq, self.sent_by_writer = event["seq"], self.sent_by_writer + 1
-            for out in frames_of(event, frame, logged_by, self.dialect):
-                await ws.send(out)
+            if event["seq"] > self.sent_seq:  # else the replay sent it already
+                self.sent_seq, self.sent_by_writer = event["seq"], self.sent_by_writer + 1
+                messages += frames_of(event, frame, logged_by, self.dialect)
+        if messages:
+            await self._write_paced(ws, messages)
 
     async def _locked_log_batch(self, merge: bool) -> list[tuple[dict[str, Any], Frame]]:
         async with self._log_lock:

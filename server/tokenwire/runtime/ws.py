@@ -12,6 +12,7 @@ from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
+from websockets.protocol import State
 
 from .. import metrics
 from ..core.errors import ErrorCode, error_event
@@ -61,20 +62,22 @@ async def pace_reading(ws: ServerConnection, budget: TokenBucket | None, frame: 
 
 
 async def wait_buffer_below(ws: ServerConnection, low: int) -> None:
-    """Wait, without polling, until the socket's write buffer is at most `low`
-    (or the socket goes away)."""
+    """Wait, without polling, until the socket's write buffer is at most `low`;
+    ConnectionClosedError if the socket went away instead (an aborted socket
+    empties its buffer too: that is no client that read it)."""
     transport = ws.transport
-    if transport is None or transport.get_write_buffer_size() <= low:
-        return
-    # Lowering the transport's limits pauses the protocol now and resumes
-    # it once the buffer falls to `low`; websockets' drain() waits for that.
-    limits = transport.get_write_buffer_limits()  # (low, high)
-    transport.set_write_buffer_limits(high=low, low=low)
-    try:
-        await unless_closed(ws, ws.drain())
-    finally:
-        if not transport.is_closing():
-            transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+    if transport is not None and transport.get_write_buffer_size() > low:
+        # Lowering the transport's limits pauses the protocol now and resumes
+        # it once the buffer falls to `low`; websockets' drain() waits for that.
+        limits = transport.get_write_buffer_limits()  # (low, high)
+        transport.set_write_buffer_limits(high=low, low=low)
+        try:
+            await unless_closed(ws, ws.drain())
+        finally:
+            if not transport.is_closing():
+                transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+    if transport is None or transport.is_closing() or ws.protocol.state is not State.OPEN:
+        raise ConnectionClosedError(None, None)
 
 
 def set_sndbuf(ws: ServerConnection, size: int) -> None:
