@@ -492,3 +492,79 @@ async def test_a_socket_that_dies_while_behind_resumes_no_generation() -> None:
     await asyncio.sleep(0.01)
     assert owner.calls == ["fall_behind"] and d.paused and not d.live
     await d.stop()
+
+
+@pytest.mark.parametrize(
+    "server",
+    [{"outbound_high_water": 64 << 10, "outbound_hard_cap": 256 << 10, "resume_grace_s": 30.0}],
+    indirect=True,
+)
+async def test_a_client_that_stalls_until_paused_then_drops_can_resume(
+    server: TokenwireServer,
+) -> None:
+    """The mobile case: the app is backgrounded (its socket stalls until the
+    generation pauses at the hard cap), then the network drops. What the
+    client had not read (up to the hard cap, merged into one large delta, and
+    what the socket buffers held) is still in the resume ring by default."""
+    from websockets.asyncio.client import connect as ws_connect
+
+    ws = await raw_client(url_of(server))
+    sid = json.loads(await ws.recv())["session"]["id"]
+    await stream(ws, 1_000_000)
+    last = 1
+    for _ in range(50):
+        last = json.loads(await ws.recv())["seq"]
+    conn = next(iter(server.connections))
+    await until(lambda: conn.delivery.paused, "the generation paused", timeout=60)
+    ws.transport.abort()
+    async with ws_connect(url_of(server), subprotocols=["tokenwire.v1.json"]) as again:
+        await again.recv()  # its own session.created
+        await again.send(
+            json.dumps({"type": "session.resume", "session_id": sid, "last_seq": last})
+        )
+        replayed = 0
+        while (event := json.loads(await asyncio.wait_for(again.recv(), 10)))["type"] != (
+            "session.resumed"
+        ):
+            assert event["type"] != "error", event["error"]
+            assert event["seq"] == last + 1
+            last, replayed = event["seq"], replayed + 1
+        assert replayed > 0 and event["replayed"] == replayed
+
+
+async def test_stopping_the_writer_keeps_the_callers_own_cancel() -> None:
+    """A hand-over cancelled at its timeout while it stops the writer must
+    stop there, not go on (log lock, Redis flush) beside what follows it."""
+    from tokenwire.runtime.delivery import Delivery, Pace
+    from tokenwire.storage.eventlog import MemoryLog
+    from tokenwire.wire import dialect_for
+
+    d = Delivery(_Owner(), MemoryLog(1 << 20), dialect_for(None), Pace(65536, 262144, 5, 30))
+
+    async def slow_to_unwind() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)  # e.g. a shielded log write finishing
+            raise
+
+    d._writing = True
+    d._writer = asyncio.create_task(slow_to_unwind())
+    await asyncio.sleep(0)
+    went_on = []
+
+    async def caller() -> None:
+        await d.stop_writer()
+        went_on.append(True)
+
+    task = asyncio.create_task(caller())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert went_on == []
+    # Alone, stopping the writer returns normally.
+    d._writing = True
+    d._writer = asyncio.create_task(slow_to_unwind())
+    await asyncio.sleep(0)
+    await d.stop_writer()

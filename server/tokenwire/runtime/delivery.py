@@ -368,8 +368,12 @@ class Delivery:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await writer
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the caller's own cancel, not only the writer's
 
     async def _write_loop(self) -> None:
         try:
