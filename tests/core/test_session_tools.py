@@ -458,3 +458,65 @@ def test_a_steer_after_the_budget_is_spent_ends_the_response(session: Session) -
     assert types(events)[-1] == "response.done"
     assert events[-1]["response"]["status_details"]["reason"] == "max_output_tokens"
     assert events[-1]["response"]["usage"]["output_tokens"] == 2
+
+
+def _shape(messages: list[dict[str, Any]]) -> list[tuple[str, object]]:
+    return [
+        (
+            m["role"],
+            m.get("tool_call_id") or [c["id"] for c in m.get("tool_calls", [])] or m["content"],
+        )
+        for m in messages
+    ]
+
+
+def test_a_late_output_is_rendered_right_after_its_call(session: Session) -> None:
+    """Response A's call waits, A is cancelled; response B calls and waits. A's
+    output arrives late (accepted), then B's, and a user message was sent
+    while B waited. The conversation keeps the order things came in, but the
+    prompt puts each output right after the turn that made its call, as chat
+    templates want (strict ones refuse a tool message anywhere else)."""
+    first = begin(session, tool_choice="required")
+    (a,) = [
+        e
+        for e in call(session, first.request.request_id, 0, "get_weather", '{"city": "A"}', "stop")
+        if e["type"] == "response.requires_action"
+    ]
+    drive(session, {"type": "response.cancel"})
+    session.actions_to_perform()
+    drive(
+        session,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "q2"},
+        },
+    )
+    drive(session, {"type": "response.create", "response": {"tool_choice": "required"}})
+    (second,) = session.actions_to_perform()
+    (b,) = [
+        e
+        for e in call(session, second.request.request_id, 0, "get_time", "{}", "stop")
+        if e["type"] == "response.requires_action"
+    ]
+    [c1], [c2] = a["call_ids"], b["call_ids"]
+    drive(
+        session,
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": "q3"},
+        },
+    )
+    output(session, c1, "late A")
+    output(session, c2, "B")
+    cont = [x for x in session.actions_to_perform() if isinstance(x, StartGeneration)][-1]
+    assert _shape(cont.request.messages) == [
+        ("user", "Weather and time in Paris?"),
+        ("assistant", [c1]),
+        ("tool", c1),
+        ("user", "q2"),
+        ("assistant", [c2]),
+        ("tool", c2),
+        ("user", "q3"),
+    ]
+    conversation = [i.get("call_id") or i.get("content") for i in session.conversation.items]
+    assert conversation[-4:] == [c2, "q3", c1, c2]  # as they came

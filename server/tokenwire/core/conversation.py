@@ -270,6 +270,7 @@ def render_messages(instructions: str | None, items: list[Item]) -> list[dict[st
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
+    turn_of: dict[str, dict[str, Any]] = {}  # call id -> the assistant turn that made it
     for item in items:
         kind = item["type"]
         if kind == "message":
@@ -286,9 +287,28 @@ def render_messages(instructions: str | None, items: list[Item]) -> list[dict[st
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append(last := {"role": "assistant", "content": "", "tool_calls": [call]})
+            turn_of[item["call_id"]] = last
         elif kind == "function_call_output":
-            messages.append(
-                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
-            )
+            tool = {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            _after_its_call(messages, tool, turn_of.get(item["call_id"]))
     return messages
+
+
+def _after_its_call(
+    messages: list[dict[str, Any]], tool: dict[str, Any], turn: dict[str, Any] | None
+) -> None:
+    """Append a tool message, or put it with its call's turn if it is not the
+    turn just before: chat templates want a call's output right after it, and
+    an output may come late (a cancelled response's, after the next one's
+    call) or after a user message sent while the response waited."""
+    i = len(messages)
+    while i and messages[i - 1]["role"] == "tool":
+        i -= 1
+    if turn is None or (i and messages[i - 1] is turn):
+        messages.append(tool)
+        return
+    i = next(i for i, m in enumerate(messages) if m is turn) + 1
+    while i < len(messages) and messages[i]["role"] == "tool":
+        i += 1
+    messages.insert(i, tool)
