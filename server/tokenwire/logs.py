@@ -7,12 +7,22 @@ import logging
 import sys
 import time
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import structlog
 
 # The level `configure` set; unconfigured, structlog writes every level.
 _level = logging.NOTSET
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for logs, metrics and error messages: scheme://user:password@host
+    becomes scheme://***@host."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 def enabled(level: int) -> bool:

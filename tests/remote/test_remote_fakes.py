@@ -846,3 +846,30 @@ async def test_a_long_prompt_no_client_event_rendered_is_tokenized_off_the_loop(
     assert first.chars > 4096 and not encodes.on_loop(first) and first.loop_ran  # in a thread
     assert encodes.on_loop(second)  # a short one costs less than the hop
     assert a.bodies[0]["token_ids"] == TEMPLATE.render(long)
+
+
+async def test_credentials_in_a_url_reach_the_server_but_no_log_metric_or_error() -> None:
+    """`--remote-url http://user:password@proxy:8000` (basic auth through a
+    proxy): every request carries the credentials; the replica's name in
+    /metrics, logs, /healthz and errors is `http://***@proxy:8000`."""
+    import base64
+
+    a = Fake(lambda b: Reply(500, json={"error": {"message": "boom", "code": 500}}))
+    await a.start()
+    with_password = a.url.replace("http://", "http://user:s3cret@")
+    engine = RemoteEngine(ServerConfig(engine="remote", remote_url=(with_password,)))
+    with structlog.testing.capture_logs() as logs:
+        await engine.start()
+        with pytest.raises(EngineUnavailable) as failed:
+            await run(engine, ask())
+    expected = "Basic " + base64.b64encode(b"user:s3cret").decode()
+    assert a.headers and all(h["Authorization"] == expected for h in a.headers)
+    shown = a.url.replace("http://", "http://***@")
+    assert [r.url for r in engine.replicas] == [shown]
+    assert failures(shown) >= 1  # the metric is labelled with the shown name
+    said = [str(failed.value), json.dumps(logs, default=str), json.dumps(engine.load().extra)]
+    from prometheus_client import generate_latest
+
+    said.append(generate_latest(REGISTRY).decode())
+    assert not [s for s in said if "s3cret" in s]
+    assert shown in said[0]

@@ -335,7 +335,7 @@ class RemoteEngine:
         try:
             async with asyncio.timeout(ttft or None) as clock:
                 async with self._client.post(
-                    replica.url + path, json=body, headers=headers
+                    replica.base + path, json=body, headers=headers
                 ) as resp:
                     if resp.status != 200:
                         text = await error_body(resp)
@@ -415,7 +415,7 @@ class RemoteEngine:
             # The session header too: a router sends it where the request went.
             try:
                 async with self._client.post(
-                    replica.url + ABORT_PATH,
+                    replica.base + ABORT_PATH,
                     json={"request_ids": [engine_request_id]},
                     headers=headers,
                     timeout=aiohttp.ClientTimeout(total=2),

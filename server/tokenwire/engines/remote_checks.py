@@ -66,7 +66,7 @@ async def call(
     import aiohttp
 
     try:
-        async with client.request(method, replica.url + path, **kw) as resp:
+        async with client.request(method, replica.base + path, **kw) as resp:
             return Answer(resp.status, await resp.read())
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise EngineUnavailable(

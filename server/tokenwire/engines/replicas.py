@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from ..logs import get_logger
+from ..logs import get_logger, redact_url
 from .remote_http import COMPLETIONS_PATH, GENERATE_PATH
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ PROBE_TIMEOUT_S = 5.0
 
 @dataclass(slots=True)
 class Replica:
-    url: str
+    url: str  # as logs, metrics and errors show it: without credentials
     model: str = ""
     max_model_len: int = 0
     generate_endpoint: bool = False  # offers /inference/v1/generate
@@ -60,6 +60,10 @@ class Replica:
     in_flight: int = 0
     failures: int = 0
     requests: int = 0
+    base: str = ""  # what requests go to: the URL as given, user:password@ included
+
+    def __post_init__(self) -> None:
+        self.base, self.url = self.url, redact_url(self.url)
 
     @property
     def up(self) -> bool:
@@ -109,7 +113,7 @@ class Replica:
             await asyncio.sleep(wait)
             self.state = "probing"
             try:
-                async with client.get(self.url + "/health", timeout=timeout) as resp:
+                async with client.get(self.base + "/health", timeout=timeout) as resp:
                     healthy = resp.status == 200
             except Exception:  # any failure to answer is a failed probe
                 healthy = False

@@ -54,7 +54,7 @@ import msgpack
 import redis.asyncio as redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
-from ..logs import get_logger
+from ..logs import get_logger, redact_url
 from . import redis_client
 from .eventlog import Fenced
 from .group_commit import GroupCommit
@@ -211,13 +211,13 @@ class RedisStore:
             await self._group.load()
         except redis.RedisError as exc:
             raise RedisUnavailable(
-                f"Redis at {_redact(self.url)}: {exc} ({_what_to_do(exc)})"
+                f"Redis at {redact_url(self.url)}: {exc} ({_what_to_do(exc)})"
             ) from exc
         self._tasks = [
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._read_inbox(on_forward)),
         ]
-        log.info("redis_connected", url=_redact(self.url), instance_id=self.instance_id)
+        log.info("redis_connected", url=redact_url(self.url), instance_id=self.instance_id)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -431,9 +431,3 @@ def _entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
     progress = unpack(fields[b"p"]) if b"p" in fields else None
     client_events = int(fields[b"c"]) if b"c" in fields else None
     return Entry(_seq(entry_id), fields[b"e"], progress, client_events)
-
-
-def _redact(url: str) -> str:
-    # redis://user:password@host -> redis://***@host
-    head, sep, tail = url.rpartition("@")
-    return f"{head.split('//', 1)[0]}//***@{tail}" if sep else url
