@@ -160,6 +160,17 @@ def prepare_default_model(
     if not force and is_prepared(target):
         return target  # fast path: no lock, no heavy imports
 
+    try:
+        return _prepare(target, report, force)
+    except OSError as exc:  # the disk's: full, read-only, not ours
+        raise ModelError(
+            f"preparing the model under {target.parent} failed: {exc.strerror or exc}"
+            f"{f' ({exc.filename})' if exc.filename else ''}; free about 1 GB there, or set "
+            "TOKENWIRE_CACHE_DIR to a writable directory"
+        ) from exc
+
+
+def _prepare(target: Path, report: Progress, force: bool) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent / f".{target.name}.lock", report):
         # Another process may have finished while we waited for the lock.
@@ -174,12 +185,16 @@ def prepare_default_model(
         try:
             try:
                 versions = _convert(gguf, tmp, report)
+            except ImportError as exc:
+                raise ModelError(
+                    f"converting {gguf} needs the gguf, accelerate and transformers "
+                    f"packages ({exc}); `make install` installs them"
+                ) from exc
+            except OSError:
+                raise  # said as the disk's, above
             except Exception as exc:
                 # Callers handle ModelError; keep the cause chained for debugging.
-                raise ModelError(
-                    f"converting {gguf} failed ({type(exc).__name__}: {exc}); "
-                    "the gguf, accelerate and transformers packages are required"
-                ) from exc
+                raise ModelError(f"converting {gguf} failed ({type(exc).__name__}: {exc})") from exc
             report("verifying")
             _verify(tmp)
             _publish_permissions(tmp)

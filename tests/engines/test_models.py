@@ -204,3 +204,16 @@ def test_import_is_cheap() -> None:
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_cache_dir_it_cannot_write_says_what_to_do(tmp_path: Path) -> None:
+    """A disk problem (here: the cache path is a file) is a ModelError that
+    names the place and the way out, not a traceback or a hint to install
+    packages that are installed."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    with pytest.raises(models.ModelError) as refused:
+        models.prepare_default_model(lambda _: None, cache_dir=blocked)
+    message = str(refused.value)
+    assert str(blocked) in message and "TOKENWIRE_CACHE_DIR" in message
+    assert "packages" not in message
