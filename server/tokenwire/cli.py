@@ -146,6 +146,8 @@ def _env_default(name: str, default: Any) -> Any:
     except ValueError as exc:
         raise EnvError(f"{var}={raw!r}: {exc}") from None
     choices = _CHOICES.get(name)
+    if choices is not None:
+        value = value.lower()  # INFO as logging names it
     if choices is not None and value not in choices:
         raise EnvError(f"{var}={raw!r}: expected one of {', '.join(choices)}")
     return value
@@ -159,11 +161,16 @@ def _from_env(name: str, raw: str, default: Any) -> Any:
         if word not in _TRUE + _FALSE:
             raise ValueError(f"expected one of {', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}")
         return word in _TRUE
-    kind = _TYPES.get(name) or (type(default) if default is not None else str)
+    kind = _kind(name, default)
     try:
         return kind(raw)
     except ValueError:
         raise ValueError(f"expected {'an integer' if kind is int else 'a number'}") from None
+
+
+def _kind(name: str, default: Any) -> Any:
+    """The type a flag's value is read as."""
+    return _TYPES.get(name) or (type(default) if default is not None else str)
 
 
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -182,9 +189,7 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
                 flag, action="append", default=None, help=helptext.replace("%(default)s", "none")
             )
             continue
-        kind = _TYPES.get(name) or (
-            type(getattr(defaults, name)) if getattr(defaults, name) is not None else str
-        )
+        kind = _kind(name, getattr(defaults, name))
         parser.add_argument(
             flag, type=kind, default=default, choices=_CHOICES.get(name), help=helptext
         )
@@ -243,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         **given,
         vllm_args=tuple(vllm_argv),
-        shortcuts_given=tuple(n for n in _SHORTCUTS if _given(n, argv)),
+        # --kv-cache-gib from the environment applies on CPUs only (the image
+        # sets it for every variant; a GPU sizes its cache by memory share).
+        shortcuts_given=tuple(n for n in _SHORTCUTS if _given(n, argv, n != "kv_cache_gib")),
     )
     if vllm_argv and config.engine != "vllm":
         print(
@@ -251,22 +258,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if config.kv_cache_gib <= 0:
-        print("error: --kv-cache-gib must be above 0", file=sys.stderr)
-        return 2
     for name, engines in ENGINES_OF.items():
-        if config.engine in engines:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if _given(name, argv, env=False):
+        # Only on the command line: a shared environment (an image's) may set
+        # a variable for every engine.
+        if config.engine not in engines and _given(name, argv, env=False):
+            flag = "--" + name.replace("_", "-")
             print(f"error: {flag} applies to --engine {' or '.join(engines)}", file=sys.stderr)
             return 2
-        if env_name(name) in os.environ:  # a shared environment (Docker) may set it for all
-            print(
-                f"warning: {env_name(name)} is ignored: it applies to --engine "
-                f"{' or '.join(engines)}",
-                file=sys.stderr,
-            )
+    if config.engine == "vllm" and config.kv_cache_gib <= 0:
+        print("error: --kv-cache-gib must be above 0", file=sys.stderr)
+        return 2
     allocator = Plan(config.allocator)
     if argv_given is None:  # the process's own command line: it can execute again
         try:

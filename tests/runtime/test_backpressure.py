@@ -563,8 +563,62 @@ async def test_stopping_the_writer_keeps_the_callers_own_cancel() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert went_on == []
-    # Alone, stopping the writer returns normally.
-    d._writing = True
-    d._writer = asyncio.create_task(slow_to_unwind())
-    await asyncio.sleep(0)
-    await d.stop_writer()
+    # Alone, stopping the writer returns normally; so does cleanup after a
+    # cancel that was already delivered (a handler's `finally`).
+    cleaned = []
+
+    async def cancelled_then_cleans_up() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            d._writing = True
+            d._writer = asyncio.create_task(slow_to_unwind())
+            await asyncio.sleep(0)
+            await d.stop_writer()
+            cleaned.append(True)
+
+    task = asyncio.create_task(cancelled_then_cleans_up())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned == [True]
+
+
+async def test_a_client_that_reads_steadily_but_too_slowly_is_paused_then_closed() -> None:
+    """It reads a little every 50 ms, never catching up: the stall and
+    slow-client clocks run from when it first fell behind, not from each of
+    the writer's waits (which it ends every time by reading)."""
+    from tokenwire.runtime.delivery import Delivery, Pace
+    from tokenwire.storage.eventlog import MemoryLog
+    from tokenwire.wire import dialect_for
+
+    read, closed = asyncio.Event(), asyncio.Event()
+    ws = _slow_socket(read, closed)
+    transport = ws.transport
+    transport.write = lambda data: setattr(transport, "size", transport.size + len(data))
+    transport.writelines = lambda data: [transport.write(d) for d in data]
+
+    async def drain() -> None:
+        await read.wait()
+        read.clear()
+
+    ws.drain = drain
+    owner = _Owner()
+    d = Delivery(
+        owner, MemoryLog(1 << 20), dialect_for("tokenwire.v1.json"), Pace(1000, 1 << 30, 0.3, 0.6)
+    )
+    d.attach(ws, d.dialect)
+    d.go_live()
+    d.start_writer()
+    delta = {"type": "response.output_text.delta", "response_id": "r", "item_id": "i"}
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while "slow_client" not in owner.calls and loop.time() - start < 3:
+        for _ in range(5):
+            d.send([{**delta, "delta": "x" * 200}])
+            await asyncio.sleep(0.01)
+        transport.size = 400  # it read down to below half the high water...
+        read.set()  # ...which ends the writer's wait
+    assert owner.calls[:2] == ["fall_behind", "slow_client"]  # stalled, then too slow
+    await d.stop()

@@ -178,7 +178,7 @@ class Delivery:
                 raise ConnectionClosedError(None, None)
             for seq, frame in frames:
                 if paced:
-                    await self._write_paced(ws, list(self.dialect.from_logged(frame)))
+                    await self._paced(ws, list(self.dialect.from_logged(frame)))
                 else:
                     for out in self.dialect.from_logged(frame):
                         await ws.send(out)
@@ -186,16 +186,17 @@ class Delivery:
                 sent += 1
         return sent
 
-    async def _write_paced(self, ws: ServerConnection, messages: list[Frame]) -> None:
-        """A replay's or the writer's write: under the slow-client clocks
-        (`ws.send`'s wait has none)."""
+    async def _paced(self, ws: ServerConnection, out: list[Frame], replay: bool = True) -> None:
+        """A write under the slow-client clocks (`ws.send`'s wait has none); the
+        writer's run from falling behind to `_caught_up`, not per wait."""
         if ws.protocol.state is not _OPEN:
             raise ConnectionClosedError(None, None)  # closed (as slow) meanwhile
-        write_messages(ws, messages)
+        write_messages(ws, out)
         if ws.transport.get_write_buffer_size() > self.pace.high_water:
             self._arm_clocks()
             await wait_buffer_below(ws, self.pace.high_water // 2)
-            self._stop_clocks()  # it reads; the writer sees to a pause once live
+            if replay:
+                self._stop_clocks()  # it reads; the writer sees to a pause once live
 
     def go_live(self) -> None:
         """A new session's socket: nothing to replay."""
@@ -368,12 +369,13 @@ class Delivery:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.cancel()
+            task = asyncio.current_task()
+            cancels = task.cancelling() if task is not None else 0
             try:
                 await writer
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # the caller's own cancel, not only the writer's
+                if task is not None and task.cancelling() > cancels:
+                    raise  # the caller was cancelled meanwhile, not only the writer
 
     async def _write_loop(self) -> None:
         try:
@@ -433,11 +435,9 @@ class Delivery:
 
     async def _send_batch(self, batch: list[tuple[dict[str, Any], Frame]]) -> None:
         """Send logged events (each with its logged frame) in one write, then
-        wait while the client is behind. All of it at once: an event's frames
-        (several in the OpenAI dialect) sent one by one, with waits between,
-        could be overtaken by a direct write once the client caught up."""
-        ws = self.ws if self.live else None
-        if ws is None:
+        wait while the client is behind. One by one, an event's frames (several
+        in the OpenAI dialect) could be overtaken by a direct write meanwhile."""
+        if (ws := self.ws if self.live else None) is None:
             return
         logged_by, messages = self.dialect, []
         for event, frame in batch:
@@ -445,7 +445,7 @@ class Delivery:
                 self.sent_seq, self.sent_by_writer = event["seq"], self.sent_by_writer + 1
                 messages += frames_of(event, frame, logged_by, self.dialect)
         if messages:
-            await self._write_paced(ws, messages)
+            await self._paced(ws, messages, replay=False)
 
     async def _locked_log_batch(self, merge: bool) -> list[tuple[dict[str, Any], Frame]]:
         async with self._log_lock:
