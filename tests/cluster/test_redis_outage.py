@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 import pytest
+import structlog
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
@@ -471,8 +472,11 @@ async def test_a_follower_whose_client_stops_reading_closes_it(redis_server: Red
             "type": "response.create",
             "response": {"ignore_eos": True, "max_output_tokens": 4000},
         }
-        await ws.send(json.dumps(create))  # and read nothing more
-        await until(lambda: not b.server.followers, "B closed the follower", timeout=20)
+        with structlog.testing.capture_logs() as logs:
+            await ws.send(json.dumps(create))  # and read nothing more
+            await until(lambda: not b.server.followers, "B closed the follower", timeout=20)
         await until(lambda: sid not in a.server.sessions, "the session ended on A")
-        assert b.server.health()["connections"] == 0
+        assert [e["event"] for e in logs if e["event"] == "slow_client_closed"] == [
+            "slow_client_closed"
+        ]
         ws.transport.abort()

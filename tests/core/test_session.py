@@ -540,6 +540,14 @@ def test_a_missing_field_is_named_in_param(session: Session) -> None:
             "invalid_field",
             "session.tool_choice",
         ),
+        (  # Chat Completions' shape: the name is not where this API has it
+            {
+                "type": "session.update",
+                "session": {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+            },
+            "missing_field",
+            "session.tool_choice.name",
+        ),
     ],
 )
 def test_a_union_field_names_what_is_wrong_with_the_shape_given(

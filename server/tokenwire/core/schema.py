@@ -129,14 +129,14 @@ class NamedToolChoice(BaseModel):
 
 
 def _choice_kind(value: Any) -> str:
-    return "function" if isinstance(value, dict | NamedToolChoice) else "mode"
+    return "named_choice" if isinstance(value, dict | NamedToolChoice) else "mode"
 
 
 # By shape: a map's errors are the named choice's (a missing name, a stray key),
 # not "should be 'auto', 'none' or 'required'".
 ToolChoice = Annotated[
     Annotated[Literal["auto", "none", "required"], Tag("mode")]
-    | Annotated[NamedToolChoice, Tag("function")],
+    | Annotated[NamedToolChoice, Tag("named_choice")],
     Discriminator(_choice_kind),
 ]
 
@@ -268,7 +268,7 @@ _EVENT_TYPES: dict[str, TypeAdapter[Any]] = {
 CLIENT_EVENT_TYPES = frozenset(_EVENT_TYPES)
 
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
-_TAGS = {"message", "function_call_output", "mode"}
+_TAGS = {"message", "function_call_output", "mode", "named_choice"}
 
 
 def _path_in(obj: Any, loc: tuple[int | str, ...]) -> list[str]:

@@ -413,22 +413,23 @@ class Admission:
 
     def may_mint(self, authorization: str | None) -> bool:
         """Whether a mint with this header would pass auth: its body is read then only."""
-        return (
-            not self.keys.enabled or self.keys.verify(presented_key(authorization, ())) is not None
-        )
+        return self._minter(authorization) is not None
+
+    def _minter(self, authorization: str | None) -> str | None:
+        """The key a mint counts against (anonymous without keys); None: refused."""
+        if not self.keys.enabled:
+            return "anonymous"
+        return self.keys.verify(presented_key(authorization, ()))
 
     def mint(self, request: Request, body: bytes | None) -> Response | Awaitable[Response]:
         """`POST /v1/realtime/client_secrets`: needs a server API key (not a
         client secret) when the server has keys; mints anonymously without."""
-        kid = "anonymous"
-        if self.keys.enabled:
-            found = self.keys.verify(presented_key(request.headers.get("Authorization"), ()))
-            if found is None:
-                return unauthorized(
-                    "minting a client secret needs a server API key as "
-                    "'Authorization: Bearer <key>' (a client secret cannot mint another)"
-                )
-            kid = found
+        kid = self._minter(request.headers.get("Authorization"))
+        if kid is None:
+            return unauthorized(
+                "minting a client secret needs a server API key as "
+                "'Authorization: Bearer <key>' (a client secret cannot mint another)"
+            )
         return self.secrets.mint(kid, body, self.keys.min_priority(kid))
 
     def connect(

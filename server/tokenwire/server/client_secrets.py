@@ -18,9 +18,10 @@ with it as `Authorization: Bearer ek_...` or as the subprotocol entry
 - Kept by SHA-256 digest only: in this process, or with --redis-url in Redis
   (`RedisStore.put_secret`, expiring with it) so that every instance takes it.
   In this process live secrets may hold at most MEMORY_BUDGET bytes of mint
-  requests (settings can be large), one key at most KEY_SHARE of them (so one
-  tenant cannot shut minting off for the others): beyond that, minting
-  answers 429 until some expire. In Redis, Redis's own maxmemory is the bound.
+  requests (settings can be large); past half of that, a key holding more than
+  1/KEY_SHARE of it mints no more (so one tenant cannot shut minting off for
+  the others): beyond that, minting answers 429 until some expire. In Redis,
+  Redis's own maxmemory is the bound.
 """
 
 from __future__ import annotations
@@ -253,9 +254,12 @@ class ClientSecrets:
         self._key_bytes[kid] += size
 
     def _fits(self, key_id: str, size: int) -> bool:
-        return (
-            self._memory_bytes + size <= MEMORY_BUDGET
-            and self._key_bytes[key_id] + size <= MEMORY_BUDGET // KEY_SHARE
+        total = self._memory_bytes + size
+        # The share binds only past half the store: one key alone (or none:
+        # every mint anonymous) may fill it.
+        return total <= MEMORY_BUDGET and (
+            total <= MEMORY_BUDGET // 2
+            or self._key_bytes[key_id] + size <= MEMORY_BUDGET // KEY_SHARE
         )
 
     def _prune(self) -> None:
