@@ -137,7 +137,7 @@ def test_cancel_aborts_and_ends_at_once(session: Session) -> None:
     session.receive_engine_output(rq, EngineDelta("partial", 1, None, 3, 0))
     session.events_to_send()
     events = drive(session, {"type": "response.cancel", "event_id": "c"})
-    assert session.actions_to_perform() == [AbortGeneration(rid, rq)]
+    assert session.actions_to_perform() == [AbortGeneration(rid, rq, cancel=True)]
     assert [e["type"] for e in events] == ["response.output_text.done", "response.done"]
     assert events[1]["response"]["status"] == "cancelled"
     assert events[1]["response"]["status_details"]["reason"] == "client_cancelled"

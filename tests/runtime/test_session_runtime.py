@@ -199,3 +199,27 @@ async def test_a_session_resumed_its_socket_never_got_is_not_delivered_later(
     queued = [e["type"] for e in rt.delivery.outbox]
     assert "session.resumed" not in queued
     assert rt.delivery.outbox.pending_bytes == sum(estimate_size(e) for e in rt.delivery.outbox)
+
+
+async def test_each_paused_generation_is_counted(runtime: SessionRuntime) -> None:
+    """tokenwire_generation_pauses_total counts generations, as documented:
+    a client falling behind with two running counts two."""
+    from prometheus_client import REGISTRY
+
+    def pauses() -> float:
+        return REGISTRY.get_sample_value("tokenwire_generation_pauses_total") or 0.0
+
+    rt = runtime
+    hi = [{"type": "message", "role": "user", "content": "hi"}]
+    for _ in range(2):
+        create = {
+            "conversation": "none",
+            "input": hi,
+            "ignore_eos": True,
+            "max_output_tokens": 5000,
+        }
+        send(rt, {"type": "response.create", "response": create})
+    await until(lambda: len(rt.tasks) == 2, "two generations running")
+    before = pauses()
+    rt.fall_behind("hard_cap")
+    assert pauses() == before + 2

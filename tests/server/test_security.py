@@ -330,3 +330,32 @@ def test_logs_never_contain_keys(tmp_path) -> None:
     text = log_path.read_text()
     assert "response_done" in text and key_id(KEY) in text
     assert KEY not in text
+
+
+async def test_cancel_latency_times_client_cancels_only() -> None:
+    """A steer and a disconnect abort generations too, but only a client's
+    response.cancel is what tokenwire_cancel_latency_seconds times."""
+
+    def cancels() -> float:
+        return REGISTRY.get_sample_value("tokenwire_cancel_latency_seconds_count") or 0.0
+
+    async with _scripted_server(config()) as running:
+        before = cancels()
+        async with await connect(running.url, api_key=KEY) as tw:
+            await tw.ask("steer me")
+            r = await tw.create_response(ignore_eos=True, max_output_tokens=10_000)
+            async for _ in r.text_deltas():
+                break
+            await r.steer("now this")
+            async for _ in r.text_deltas():
+                break
+            await until(lambda: running.server.engine.load().running == 1, "the steered run")
+        await until(lambda: running.server.engine.load().running == 0, "the close's abort")
+        assert cancels() == before
+        async with await connect(running.url, api_key=KEY) as tw:
+            await tw.ask("cancel me")
+            r = await tw.create_response(ignore_eos=True, max_output_tokens=10_000)
+            async for _ in r.text_deltas():
+                break
+            await r.cancel()
+            await until(lambda: cancels() == before + 1, "the cancel timed")

@@ -60,6 +60,7 @@ class StartGeneration:
 class AbortGeneration:
     response_id: str
     request_id: str
+    cancel: bool = False  # for a client's response.cancel (the cancel latency it times)
 
 
 @dataclass(frozen=True, slots=True)

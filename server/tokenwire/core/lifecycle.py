@@ -355,9 +355,9 @@ class Lifecycle:
         self._requests[resp.request_id] = resp.id
         self._out.perform(StartGeneration(resp.id, request))
 
-    def abort_current(self, resp: Response) -> None:
+    def abort_current(self, resp: Response, cancel: bool = False) -> None:
         if resp.request_id is not None:
-            self._out.perform(AbortGeneration(resp.id, resp.request_id))
+            self._out.perform(AbortGeneration(resp.id, resp.request_id, cancel))
             self._requests.pop(resp.request_id, None)
             resp.request_id = None
 

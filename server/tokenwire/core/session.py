@@ -413,7 +413,7 @@ class Session:
 
     def _on_response_cancel(self, ev_: s.ResponseCancel) -> None:
         resp = find_active(self.lifecycle, self._openai, ev_.response_id, ev_.event_id, "cancel")
-        self.lifecycle.abort_current(resp)
+        self.lifecycle.abort_current(resp, cancel=True)
         self.lifecycle.finish(
             resp, ResponseStatus.CANCELLED, {"type": "cancelled", "reason": "client_cancelled"}
         )

@@ -342,7 +342,7 @@ class SessionRuntime:
         paused = self.session.pause()
         self.pump()
         if paused:
-            metrics.PAUSES.inc()
+            metrics.PAUSES.inc(len(paused))
             self.delivery.paused = True
             self.log.info(
                 "generation_paused", reason=why, response_ids=paused, buffered=self.buffered_amount
@@ -394,8 +394,9 @@ class SessionRuntime:
                 task = self.tasks.get(action.request_id)
                 if task is not None and not task.cancelling():
                     task.cancel()
+                    started = time.perf_counter() if action.cancel else None
                     task.add_done_callback(
-                        functools.partial(self._aborted, action.request_id, time.perf_counter())
+                        functools.partial(self._aborted, action.request_id, started)
                     )
             elif isinstance(action, StartTimer):
                 old = self._timers.pop(action.response_id, None)
@@ -415,10 +416,11 @@ class SessionRuntime:
                     self._telemetry.observe(event)
             self.delivery.send(events)
 
-    def _aborted(self, request_id: str, started: float, _: asyncio.Task[None]) -> None:
+    def _aborted(self, request_id: str, started: float | None, _: asyncio.Task[None]) -> None:
         # A task cancelled before its first step never ran its own cleanup.
         self.tasks.pop(request_id, None)
-        metrics.CANCEL_LATENCY.observe(time.perf_counter() - started)
+        if started is not None:  # a client's cancel: steers, pauses and closes are not
+            metrics.CANCEL_LATENCY.observe(time.perf_counter() - started)
 
     def _timeout(self, response_id: str, token: int) -> None:
         self._timers.pop(response_id, None)
