@@ -380,3 +380,23 @@ async def test_behind_the_guardrail_the_cache_stores_and_followers_get_the_calls
     assert delivered(await ask("resp_2", Source(["Plain", " text"]))) == "Plain text"
     await until(lambda: not cache.flights, "the entry written")
     assert len(store.entries) == 1
+
+
+async def test_one_blocked_generation_is_one_block_in_the_metrics() -> None:
+    """The blocklist checks phrases before regexes, so its block may not be
+    the leftmost; the text before it is checked again, and a second block
+    there is the same generation's: counted once."""
+    from prometheus_client import REGISTRY
+
+    def blocks() -> float:
+        return (
+            REGISTRY.get_sample_value("tokenwire_guardrail_blocks_total", {"filter": "blocklist"})
+            or 0.0
+        )
+
+    before = blocks()
+    source = Source(["call 555-1234 about the secret plan"])
+    out = await run(stage(Blocklist(["secret", r"re:\d{3}-\d{4}"])), source)
+    assert out[-1].finish_reason == CONTENT_FILTER
+    assert delivered(out) == "call "
+    assert blocks() == before + 1

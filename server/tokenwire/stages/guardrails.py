@@ -48,10 +48,11 @@ class GuardrailPolicy:
         self.fail_closed = fail_closed
 
     async def run(
-        self, filters: Sequence[Filter], window: str, final: bool
+        self, filters: Sequence[Filter], window: str, final: bool, count: bool = True
     ) -> tuple[str, Block | None, int]:
         """The window after every filter's redactions, the first block, and
-        how many of its last characters a filter holds (`Hold`)."""
+        how many of its last characters a filter holds (`Hold`). `count`:
+        off for a re-check of text whose block was counted already."""
         text, held = window, 0
         for f in filters:
             try:
@@ -63,13 +64,15 @@ class GuardrailPolicy:
             except Exception as exc:  # a classifier that is down: the same policy
                 verdict = self._failed(f, "error", exc)
             if isinstance(verdict, Block):
-                metrics.GUARDRAIL_BLOCKS.labels(f.name).inc()
+                if count:
+                    metrics.GUARDRAIL_BLOCKS.labels(f.name).inc()
                 return text, verdict, held
             if isinstance(verdict, Hold):
                 # Counted from the end: a later filter's redaction before it keeps it.
                 held = max(held, len(text) - verdict.at)
             elif isinstance(verdict, Redact):
-                metrics.GUARDRAIL_REDACTIONS.labels(f.name).inc()
+                if count:
+                    metrics.GUARDRAIL_REDACTIONS.labels(f.name).inc()
                 text = verdict.text
         return text, None, held
 
@@ -296,7 +299,7 @@ class GuardrailStage:
         # The text before the blocked part, checked again as final, may go
         # (nothing does if a filter places the block outside the text).
         while block is not None and block.at and block.at < len(text):
-            text, block, _ = await self.policy.run(filters, text[: block.at], True)
+            text, block, _ = await self.policy.run(filters, text[: block.at], True, count=False)
         if block is None and text:
             window.rewrite(text)  # only usage matters now: the generation ends here
             out = window.take_all(None)
