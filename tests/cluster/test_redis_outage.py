@@ -480,3 +480,26 @@ async def test_a_follower_whose_client_stops_reading_closes_it(redis_server: Red
             "slow_client_closed"
         ]
         ws.transport.abort()
+
+
+async def test_follower_sockets_count_against_max_connections(redis_server: RedisServer) -> None:
+    """A socket following a session owned elsewhere is an open socket like
+    any other: with --max-connections 1 on B and one follower there, the
+    next handshake is refused; /healthz shows it under `followers`."""
+    from websockets.exceptions import InvalidStatus
+
+    async with (
+        serving(redis_server.url, resume_grace_s=60) as a,
+        serving(redis_server.url, max_connections=1) as b,
+    ):
+        sid = await detached_session(a)
+        ws = await open_ws(b.url)
+        await recv(ws)  # its own session.created
+        await ws.send(json.dumps({"type": "session.resume", "session_id": sid, "last_seq": 1}))
+        await until(lambda: b.server.followers, "B follows the session")
+        health = b.server.health()
+        assert (health["connections"], health["followers"]) == (0, 1)
+        with pytest.raises(InvalidStatus) as refused:
+            await open_ws(b.url)
+        assert refused.value.response.status_code == 429
+        await ws.close()

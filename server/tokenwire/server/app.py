@@ -124,6 +124,7 @@ class TokenwireServer:
             "instance_id": self.store.instance_id if self.store else None,
             "sessions": len(self.sessions),
             "connections": len(self.connections),
+            "followers": len(self.followers),
             "paused_connections": sum(c.paused for c in self.connections),
             "outbound_buffered_bytes": sum(c.buffered_amount for c in self.connections),
             "engine_load": {"running": load.running, "waiting": load.waiting, **load.extra},
@@ -136,7 +137,7 @@ class TokenwireServer:
         which websockets awaits."""
         path = request.path.split("?", 1)[0]
         if path == REALTIME_PATH and request.method == "GET":
-            return self.admission.admit(conn, request, len(self.connections), self.draining)
+            return self.admission.admit(conn, request, self._open_sockets, self.draining)
         if path == CLIENT_SECRETS_PATH:
             return self._client_secrets(conn, request)
         if path == BETA_SESSIONS_PATH:
@@ -208,13 +209,19 @@ class TokenwireServer:
 
     # -- WebSocket ----------------------------------------------------------
 
+    @property
+    def _open_sockets(self) -> int:
+        """What --max-connections counts: sockets serving a session here or
+        following one owned elsewhere."""
+        return len(self.connections) + len(self.followers)
+
     async def _handle(self, ws: ServerConnection) -> None:
         # Nothing reads the handshake again: its headers (about 4 KiB) need not
         # live as long as the socket. The request stays (websockets' parser
         # holds it too), emptied.
         ws.request.headers.clear()
         ws.response = None
-        admitted = self.admission.connect(ws, len(self.connections))
+        admitted = self.admission.connect(ws, self._open_sockets)
         if admitted is None:
             await ws.close(CLOSE_TRY_AGAIN_LATER, "too_many_connections")
             return
