@@ -223,3 +223,48 @@ async def test_each_paused_generation_is_counted(runtime: SessionRuntime) -> Non
     before = pauses()
     rt.fall_behind("hard_cap")
     assert pauses() == before + 2
+
+
+async def test_a_long_prompts_tokenizing_counts_in_its_response_timings() -> None:
+    """A prompt over the off-loop threshold is tokenized in a thread and the
+    response.create taken again: its timings (TTFT, total) start when the
+    client sent it, not when the tokens were ready."""
+    import time
+
+    from tokenwire.engines.base import TOKENIZE_OFF_LOOP, TokenizeOffLoop
+
+    pause_s = 0.4
+
+    memo: dict[str, list[int]] = {}
+
+    class SlowTokenizer(ScriptedEngine):
+        def preflight(self, request):  # type: ignore[no-untyped-def]
+            text = "".join(m.get("content") or "" for m in request.messages)
+            if len(text) > 4096 and text not in memo:
+                if TOKENIZE_OFF_LOOP.get():
+                    raise TokenizeOffLoop(
+                        text,
+                        lambda t: (time.sleep(pause_s), [1])[1],
+                        lambda ids: memo.__setitem__(text, ids),
+                    )
+                time.sleep(pause_s)
+                memo[text] = [1]
+            return super().preflight(request)
+
+    config = ServerConfig(engine="scripted", max_events_per_s=0)
+    rt = SessionRuntime(SlowTokenizer(tokens_per_s=0), config, subprotocol="tokenwire.v1.json")
+    rt.attach(open_socket(), dialect_for("tokenwire.v1.json"))  # type: ignore[arg-type]
+    rt.go_live()
+    try:
+        long = {"type": "message", "role": "user", "content": "x" * 5000}
+        send(rt, {"type": "conversation.item.create", "item": long})
+        later = rt.receive(json.dumps({"type": "response.create"}))
+        assert later is not None  # tokenized off the loop
+        await later
+        await until(lambda: "response.done" in types_sent(rt.ws), "the response ends")
+        done = [e for e in sent_events(rt.ws) if e["type"] == "response.done"][-1]
+        assert done["response"]["status"] == "completed"
+        timings = done["response"]["timings"]
+        assert timings["ttft_ms"] >= pause_s * 1000 and timings["total_ms"] >= pause_s * 1000
+    finally:
+        await rt.end()

@@ -171,6 +171,7 @@ class Session:
         # "root" is the start, a call output is placed like any item, and a cancel
         # without response_id means the conversation's response.
         self._openai = tool_flow is ToolFlow.CLIENT
+        self._received_at: float | None = None  # of an event taken `again`
         self._out = Outputs()
         self.lifecycle = Lifecycle(
             self.id,
@@ -244,22 +245,26 @@ class Session:
 
     # -- client input ------------------------------------------------------
 
-    def receive_client_event(self, obj: Any, *, checked: bool = False, again: bool = False) -> None:
+    def receive_client_event(
+        self, obj: Any, *, checked: bool = False, again: float | None = None
+    ) -> None:
         """Take one client event (internal schema, as a dialect parsed it; `checked`:
         its values passed `check_values`); bad input becomes an `error` event.
         A closed session ignores it: nothing may start once its responses are ended.
         A preflight may raise TokenizeOffLoop out of it, having changed nothing
         but the rate: the event is not taken, nor counted, until the caller
-        hands it over `again` (the rate is not charged twice)."""
+        hands it over `again` with the clock reading it first came at (the rate
+        is not charged twice; a response's timings start there)."""
         if self.closed:
             return
+        self._received_at = again
         self.client_events += 1
         try:
             try:
                 checked or s.check_values(obj)
             except ValueError as exc:
                 raise ProtocolError(ErrorCode.MALFORMED_FRAME, str(exc)) from None
-            if not again and self._over_rate():
+            if again is None and self._over_rate():
                 raise self._rate_error(s.event_id_of(obj))
             event = s.parse_client_event(obj)
             self._HANDLERS[event.type](self, event)
@@ -393,7 +398,7 @@ class Session:
             params=params,
             metadata=rp.metadata,
             context=context,
-            created_at=self.clock(),
+            created_at=self.clock() if self._received_at is None else self._received_at,
             tool_choice=params["tool_choice"],
         )
         request = self.lifecycle.checked_request(resp, [] if own else inputs, event_id)

@@ -536,12 +536,14 @@ async def until_detached(rt: SessionRuntime) -> None:
 
 
 def _take(
-    session: Session, obj: Any, *, off_loop: bool, again: bool = False
+    session: Session, obj: Any, *, off_loop: bool, received_at: float | None = None
 ) -> TokenizeOffLoop | None:
-    """Hand a client event to the session; its preflight may (`off_loop`) ask
-    for its prompt's tokens instead of making them on the loop."""
+    """Hand a client event to the session (`received_at`: again, when it came);
+    its preflight may (`off_loop`) ask for its prompt's tokens instead of
+    making them on the loop."""
     asked = asking_off_loop(
-        lambda: session.receive_client_event(obj, checked=True, again=again), off_loop
+        lambda: session.receive_client_event(obj, checked=True, again=received_at),
+        off_loop,
     )
     return asked if isinstance(asked, TokenizeOffLoop) else None
 
@@ -554,6 +556,7 @@ async def _tokenized_then_taken(rt: SessionRuntime, obj: Any, off: TokenizeOffLo
     the loop. A session gone meanwhile never took the event (nor counted it).
     A tokenizer that fails in the thread is tried on the loop: the event is
     then taken, or fails, as one with a short prompt would."""
+    received_at = rt.session.clock()  # the wait for the tokens is the client's too
     for tries_left in (2, 1, 0):
         try:
             off.remember(await asyncio.to_thread(off.tokenize, off.text))
@@ -561,7 +564,7 @@ async def _tokenized_then_taken(rt: SessionRuntime, obj: Any, off: TokenizeOffLo
             tries_left = 0
         if rt.state in GONE:
             return
-        asked = _take(rt.session, obj, off_loop=tries_left > 0, again=True)
+        asked = _take(rt.session, obj, off_loop=tries_left > 0, received_at=received_at)
         if asked is None:
             break
         off = asked
