@@ -174,7 +174,7 @@ GUARDRAIL_REDACTIONS = Counter(
 )
 GUARDRAIL_FAILURES = Counter(
     "tokenwire_guardrail_failures_total",
-    "Guardrail checks that timed out or failed (then --guardrail-on-timeout decides)",
+    "Guardrail checks that timed out, failed or stayed undecided (--guardrail-on-timeout decides)",
     ["filter", "kind"],
 )
 

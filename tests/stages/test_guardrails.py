@@ -17,8 +17,13 @@ from tokenwire.config import ServerConfig
 from tokenwire.core.stages import CONTENT_FILTER, StageContext
 from tokenwire.engines.base import EngineDelta, GenerationRequest, ToolCallDelta
 from tokenwire.server.admission import KeyStore
-from tokenwire.stages.filters import ALLOW, Blocklist, GuardrailError, Pii, Verdict
-from tokenwire.stages.guardrails import GuardrailPolicy, GuardrailStage, build_guardrails
+from tokenwire.stages.filters import ALLOW, Block, Blocklist, GuardrailError, Pii, Redact, Verdict
+from tokenwire.stages.guardrails import (
+    GuardrailPolicy,
+    GuardrailStage,
+    Window,
+    build_guardrails,
+)
 
 from ..conftest import _scripted_server
 from ..helpers.wait import until
@@ -400,3 +405,81 @@ async def test_one_blocked_generation_is_one_block_in_the_metrics() -> None:
     assert out[-1].finish_reason == CONTENT_FILTER
     assert delivered(out) == "call "
     assert blocks() == before + 1
+
+
+class Recorder:
+    """A filter that lets everything through and remembers each window."""
+
+    name, lookahead = "recorder", 0
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def check(self, window: str, final: bool) -> Verdict:
+        self.seen.append(window)
+        return ALLOW
+
+
+async def test_text_with_nowhere_to_cut_streams_and_the_window_stays_bounded() -> None:
+    """A run with no space ("-----", base64) was held to the end, and every
+    token rescanned all of it: memory and CPU grew with the generation."""
+    recorder = Recorder()
+    pieces = ["-=" * 8] * 500 + [" done"]  # 8,000 characters, no space
+    out = await run(stage(recorder, Blocklist(["zebra"]), Pii()), Source(pieces))
+    assert delivered(out) == "".join(pieces)
+    assert len(out) > 5 and out[-1].finish_reason == "stop"
+    bound = Window(32).max_chars
+    assert max(len(w) for w in recorder.seen) <= bound + 16 + 32
+    # Released at the boundary nearest the bound, whole tokens as ever.
+    for d in out:
+        assert d.output_tokens == len(d.token_ids or [])
+
+
+async def test_a_match_across_a_forced_cut_is_still_seen() -> None:
+    """A cut inside a long word keeps the end of what left next to the held
+    text: an address split by it cannot leave half redacted."""
+    pieces = ["a" * 50] * 30 + ["@example", ".com", " is", " mine"]
+    out = await run(stage(Pii()), Source(pieces))
+    assert out[-1].finish_reason == CONTENT_FILTER
+    assert "@" not in delivered(out) and "example" not in delivered(out)
+    assert delivered(out)  # what went before the address had streamed
+
+
+@pytest.mark.parametrize("closed", [True, False])
+async def test_a_regex_undecided_past_the_bound_follows_the_timeout_policy(closed: bool) -> None:
+    """A `re:` match that stays open (`\\S+` over a long blob) would hold the
+    window without end: past its bound it is a check that cannot decide."""
+    from prometheus_client import REGISTRY
+
+    labels = {"filter": "blocklist", "kind": "undecided"}
+    before = REGISTRY.get_sample_value("tokenwire_guardrail_failures_total", labels) or 0.0
+    blob = ["QUJD" * 10] * 40  # 1,600 characters that a match of `BEGIN \S+` takes in
+    pieces = ["Here", " it", " is:", " BEGIN", " ", *blob, " and", " more", " text"]
+    source = Source(pieces)
+    out = await run(stage(Blocklist([r"re:BEGIN \S+END"]), closed=closed), source)
+    after = REGISTRY.get_sample_value("tokenwire_guardrail_failures_total", labels)
+    assert after == before + 1
+    if closed:
+        assert out[-1].finish_reason == CONTENT_FILTER
+        assert delivered(out) == "Here it is: "
+        assert source.sent < len(pieces)
+    else:
+        assert delivered(out) == "".join(pieces) and out[-1].finish_reason == "stop"
+        assert len(out) > 3  # the blob streamed, not held to the end
+
+
+def test_blocklist_words_in_scripts_without_spaces_match_inside_running_text() -> None:
+    b = Blocklist(["机密", "ลับมาก", "secret"])
+    found = b.check("这是机密文件的内容", final=True)
+    assert isinstance(found, Block) and found.at == 2
+    found = b.check("นี่คือเอกสารลับมากนะ", final=True)
+    assert isinstance(found, Block) and found.at == 12
+    assert b.check("这是公开文件", final=True) is ALLOW
+    assert b.check("no secrets here", final=True) is ALLOW  # Latin words stay whole
+
+
+def test_pii_finds_numbers_and_addresses_next_to_other_scripts() -> None:
+    assert Pii().check("电话555 123 4567。", final=True) == Redact("电话[phone]。")
+    assert Pii().check("邮箱bob@example.com。", final=True) == Redact("邮箱[email]。")
+    # Still not inside an ASCII word or number.
+    assert Pii().check("x555 123 4567 and 1555 123 4567", final=True) is ALLOW

@@ -30,6 +30,14 @@ except ImportError:  # pragma: no cover - only without the optional `regex` pack
     _regex = None
 
 ENTRY_POINT_GROUP = "tokenwire.guardrails"
+# Scripts written without spaces between words (CJK ideographs and their
+# punctuation, kana, fullwidth forms, Thai, Lao, Myanmar, Khmer): the window
+# may be cut between two of their characters, and a blocklist word in them is
+# found inside running text, which has no word boundaries to match on.
+UNSPACED = re.compile(
+    "[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3000-\u30ff"
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]"
+)
 REGEX_PREFIX = "re:"  # a blocklist line that is a regular expression
 # Seconds one blocklist regex may run on one window (with the `regex` package).
 REGEX_TIMEOUT_S = 0.05
@@ -104,15 +112,14 @@ class Blocklist:
                 continue
             longest = max(longest, len(line))
             parts = tuple(line.lower().split())
-            if all(_WORD.fullmatch(w) for w in parts):
+            if all(_WORD.fullmatch(w) for w in parts) and not UNSPACED.search(line):
                 self.phrases.setdefault(parts[0], []).append(parts)
             else:
                 others.append(line)
-        if others:  # entries with punctuation: a regex, longest first
+        if others:  # entries with punctuation or unspaced script: a regex, longest first
             others.sort(key=len, reverse=True)
-            alternation = "|".join(r"\s+".join(map(re.escape, w.split())) for w in others)
-            # Not \b: an entry may begin or end with a non-word character.
-            self.patterns.insert(0, re.compile(rf"(?<!\w)(?:{alternation})(?!\w)", re.IGNORECASE))
+            alternation = "|".join(map(_entry_pattern, others))
+            self.patterns.insert(0, re.compile(f"(?:{alternation})", re.IGNORECASE))
         # The longest entry, plus the character that shows it has ended.
         self.lookahead = longest + 1 if longest else 0
 
@@ -164,6 +171,16 @@ class Blocklist:
 _WORD = re.compile(r"\w+")
 
 
+def _entry_pattern(entry: str) -> str:
+    """A plain entry as a regex: its words across any whitespace, whole (not
+    \b: it may begin or end with a non-word character), except at an end in
+    a script written without spaces, where running text has no boundary."""
+    body = r"\s+".join(map(re.escape, entry.split()))
+    before = "" if UNSPACED.match(entry[0]) else r"(?<!\w)"
+    after = "" if UNSPACED.match(entry[-1]) else r"(?!\w)"
+    return before + body + after
+
+
 def _compile(pattern: str, flags: int) -> Any:
     try:
         return (_regex or re).compile(pattern, flags)
@@ -179,11 +196,17 @@ def _search(pattern: Any, text: str, partial: bool = False) -> Any:
     return pattern.search(text)
 
 
-EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
+# Anchored on the left: else a search retries from each character of a long
+# run of name characters, quadratic in the run.
+EMAIL = re.compile(
+    r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"
+)
 # An optional +country code, then 3-3-4 digits with separators or a (area)
-# code: plain digit runs (years, amounts) are left alone.
+# code: plain digit runs (years, amounts) are left alone. ASCII: a number
+# right after a Chinese word ("电话555 123 4567") is still one.
 PHONE = re.compile(
-    r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{3}\)[ .-]?|\d{3}[ .-])\d{3}[ .-]\d{4}(?![\w])"
+    r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{3}\)[ .-]?|\d{3}[ .-])\d{3}[ .-]\d{4}(?!\w)",
+    re.ASCII,
 )
 # A match this close to the window's end may still grow (".au", "-4567").
 PII_MARGIN = 8

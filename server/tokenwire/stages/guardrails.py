@@ -11,6 +11,13 @@ generation's end (a finish reason) everything held is checked as final and
 released. Tool-call deltas are not checked: the text before one is checked
 as final and released, then the call passes through.
 
+The window is bounded (`Window.max_chars`), or it and every check of it
+would grow with the generation. Text with no place to cut (a long run with
+no space) is released at a delta boundary anyway once the window passes the
+bound, and the end of what left is checked with the held text after it, as
+after a pause. A filter's `Hold` longer than `Window.max_held` is a check
+that cannot decide: `--guardrail-on-timeout` says what it does.
+
 A block closes the engine's stream at once (the request is cancelled) and
 ends the generation with `content_filter`; if the filter said where the
 blocked text starts, the text before it is checked again and delivered.
@@ -33,7 +40,17 @@ from ..config import ServerConfig
 from ..core.stages import CONTENT_FILTER, Source, StageContext
 from ..engines.base import EngineDelta, GenerationRequest
 from ..logs import get_logger
-from .filters import ALLOW, Block, Filter, GuardrailError, Hold, Redact, Verdict, load_filter
+from .filters import (
+    ALLOW,
+    UNSPACED,
+    Block,
+    Filter,
+    GuardrailError,
+    Hold,
+    Redact,
+    Verdict,
+    load_filter,
+)
 
 log = get_logger("tokenwire.guardrails")
 
@@ -48,11 +65,17 @@ class GuardrailPolicy:
         self.fail_closed = fail_closed
 
     async def run(
-        self, filters: Sequence[Filter], window: str, final: bool, count: bool = True
+        self,
+        filters: Sequence[Filter],
+        window: str,
+        final: bool,
+        count: bool = True,
+        max_held: int | None = None,
     ) -> tuple[str, Block | None, int]:
         """The window after every filter's redactions, the first block, and
         how many of its last characters a filter holds (`Hold`). `count`:
-        off for a re-check of text whose block was counted already."""
+        off for a re-check of text whose block was counted already. A hold
+        longer than `max_held` is a check that cannot decide: the policy's."""
         text, held = window, 0
         for f in filters:
             try:
@@ -60,9 +83,12 @@ class GuardrailPolicy:
                 if inspect.isawaitable(verdict):
                     verdict = await asyncio.wait_for(verdict, self.timeout_s)
             except TimeoutError as exc:
-                verdict = self._failed(f, "timeout", exc)
+                verdict = self._failed(f, "timeout", type(exc).__name__)
             except Exception as exc:  # a classifier that is down: the same policy
-                verdict = self._failed(f, "error", exc)
+                verdict = self._failed(f, "error", type(exc).__name__)
+            if isinstance(verdict, Hold) and max_held is not None:
+                if len(text) - verdict.at > max_held:
+                    verdict = self._failed(f, "undecided", f"over {max_held}", verdict.at)
             if isinstance(verdict, Block):
                 if count:
                     metrics.GUARDRAIL_BLOCKS.labels(f.name).inc()
@@ -76,10 +102,10 @@ class GuardrailPolicy:
                 text = verdict.text
         return text, None, held
 
-    def _failed(self, f: Filter, kind: str, exc: BaseException) -> Verdict:
+    def _failed(self, f: Filter, kind: str, error: str, at: int | None = None) -> Verdict:
         metrics.GUARDRAIL_FAILURES.labels(f.name, kind).inc()
-        log.warning("guardrail_failed", filter=f.name, kind=kind, error=type(exc).__name__)
-        return Block(f"{f.name}: {kind}") if self.fail_closed else ALLOW
+        log.warning("guardrail_failed", filter=f.name, kind=kind, error=error)
+        return Block(f"{f.name}: {kind}", at) if self.fail_closed else ALLOW
 
 
 def _merge(held: list[EngineDelta], text: str, finish: str | None = None) -> EngineDelta:
@@ -113,13 +139,8 @@ def _merge(held: list[EngineDelta], text: str, finish: str | None = None) -> Eng
 
 
 _WHITESPACE_RUN = re.compile(r"\s{2,}")
-# Scripts written without spaces between words (CJK ideographs and their
-# punctuation, kana, fullwidth forms, Thai, Lao, Myanmar, Khmer): text in them
-# may be cut between any two of their characters, or it would be held to the end.
-_UNSPACED = re.compile(
-    "[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3000-\u30ff"
-    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]"
-)
+# At least this many characters may be held; more if the lookahead is longer.
+WINDOW_MAX_CHARS = 1024
 
 
 def _cuttable(text: str, at: int) -> bool:
@@ -128,7 +149,11 @@ def _cuttable(text: str, at: int) -> bool:
     before, after = text[at - 1], text[at]
     if before.isspace() or after.isspace():
         return True
-    return bool(_UNSPACED.match(before) and _UNSPACED.match(after))
+    return bool(UNSPACED.match(before) and UNSPACED.match(after))
+
+
+def _inside_word(text: str, at: int) -> bool:
+    return text[at - 1].isalnum() and text[at].isalnum()
 
 
 def _held_from(text: str, n: int) -> int:
@@ -144,12 +169,24 @@ def _held_from(text: str, n: int) -> int:
 
 
 class Window:
-    """The held deltas of one generation and where they may be cut."""
+    """The held deltas of one generation and where they may be cut.
 
-    def __init__(self, lookahead: int) -> None:
+    `sent`: the end of the text the client already has that filters must see
+    with the held text (a resumed generation's, or what a forced cut let go)."""
+
+    def __init__(self, lookahead: int, sent: str = "") -> None:
         self.lookahead = lookahead
+        self.max_chars = max(WINDOW_MAX_CHARS, 4 * lookahead)
+        self.max_held = self.max_chars // 2
         self.held: list[EngineDelta] = []
         self.text = ""
+        self.sent = sent
+        self._rescan()
+
+    def _rescan(self) -> None:
+        # How many held deltas end at a boundary known to be no cut, their
+        # characters, and the last of them that ends outside a word.
+        self._scanned = self._scanned_end = self._outside = 0
 
     def add(self, delta: EngineDelta) -> None:
         self.held.append(delta)
@@ -160,23 +197,33 @@ class Window:
         if text != self.text:
             self.held = [_merge(self.held, text)]
             self.text = text
+            self._rescan()
 
     def releasable(self, held: int = 0) -> EngineDelta | None:
         """The longest run of whole deltas that leaves `lookahead` characters
         (and the last `held`, which a filter holds) and ends between two
         words (`_cuttable`); None if there is none. A run of whitespace counts as one
-        character: filters match phrases across any whitespace ("top   secret")."""
+        character: filters match phrases across any whitespace ("top   secret").
+        Past `max_chars`, any delta boundary that leaves those, outside a
+        word if it can (a hold is at most `max_held`)."""
         text, limit = self.text, len(self.text) - self.lookahead
         if _WHITESPACE_RUN.search(text, max(limit, 0)):
             limit = _held_from(text, self.lookahead)
-        limit = min(limit, len(text) - held)
-        end = cut = 0
-        for i, d in enumerate(self.held):
-            end += len(d.text)
-            if end > limit:
-                break
-            if end < len(text) and _cuttable(text, end):
-                cut = i + 1
+        limit = min(limit, len(text) - held, len(text) - 1)
+        # Boundaries scanned before are no cut (else they were released):
+        # each is looked at once, not once per delta.
+        i, end, cut = self._scanned, self._scanned_end, 0
+        while i < len(self.held) and end + len(self.held[i].text) <= limit:
+            end += len(self.held[i].text)
+            i += 1
+            if _cuttable(text, end):
+                cut = i
+            elif not cut and end and not _inside_word(text, end):
+                self._outside = i
+        if not cut:
+            self._scanned, self._scanned_end = i, end
+            if len(text) > self.max_chars:
+                cut = self._outside or i
         if not cut:
             return None
         out = self.held[:cut]
@@ -184,6 +231,10 @@ class Window:
         released = _merge(out, text[:size])
         del self.held[:cut]
         self.text = text[size:]
+        self._rescan()
+        # Cut between words, what follows is checked on its own; else a
+        # match across the cut must still be seen.
+        self.sent = "" if _cuttable(text, size) else text[max(size - self.lookahead, 0) : size]
         return released
 
     def take_all(self, finish: str | None) -> EngineDelta | None:
@@ -191,6 +242,7 @@ class Window:
             return EngineDelta("", 0, finish) if finish is not None else None
         out, self.held = _merge(self.held, self.text, finish), []
         self.text = ""
+        self._rescan()
         return out
 
 
@@ -230,7 +282,11 @@ class GuardrailStage:
             return source(request)  # no window, no added latency
         # The flag, or more if a filter needs it (a long blocklist phrase).
         lookahead = max(self.lookahead_chars, *(getattr(f, "lookahead", 0) for f in filters))
-        return self._guard(request, context, source, filters, Window(lookahead))
+        # A resumed generation (after a pause or a takeover) goes on after text
+        # the client holds: filters see its tail too, so a phrase or number
+        # split by the pause is still seen whole.
+        window = Window(lookahead, request.resumed_text)
+        return self._guard(request, context, source, filters, window)
 
     async def _guard(
         self,
@@ -241,10 +297,6 @@ class GuardrailStage:
         window: Window,
     ) -> AsyncIterator[EngineDelta]:
         upstream = source(request)
-        # A resumed generation (after a pause or a takeover) goes on after text
-        # the client holds: filters see its tail too, so a phrase or number
-        # split by the pause is still seen whole.
-        sent = request.resumed_text
         try:
             async for delta in upstream:
                 calls = delta.tool_calls
@@ -255,7 +307,10 @@ class GuardrailStage:
                 if not delta.text and not calls and finish is None:
                     continue
                 final = finish is not None or bool(calls)
-                text, block, held = await self.policy.run(filters, sent + window.text, final)
+                sent = window.sent
+                text, block, held = await self.policy.run(
+                    filters, sent + window.text, final, max_held=window.max_held
+                )
                 if sent:
                     text, block = _after_sent(sent, text, block)
                 if block is not None:
@@ -274,9 +329,6 @@ class GuardrailStage:
                     continue
                 out = window.releasable(held)
                 if out is not None:
-                    # What follows is no longer next to `sent`: as any window
-                    # after a release, it is checked on its own.
-                    sent = ""
                     yield out
         finally:
             # However this ends (a block, a cancel, the client gone): the engine stops now.
