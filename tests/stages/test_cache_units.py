@@ -234,7 +234,43 @@ def test_the_key_has_the_flags_that_shape_the_output() -> None:
     others = [
         tag(tool_parser="hermes"),
         tag(dtype="bfloat16"),
+        tag(max_model_len=2048),
         tag(vllm_args=("--quantization", "fp8")),
         tag(vllm_args=("--chat-template", "/t.jinja")),
     ]
     assert len({base, *others}) == 1 + len(others)
+
+
+async def test_a_request_with_tools_runs_its_own_generation_beside_a_twin() -> None:
+    """A follower whose leader stops short resumes after its token ids; a tool
+    parser or a forced call's grammar cannot start in the middle of a call,
+    so a request with tools does not follow (the twin without tools does)."""
+    import asyncio
+
+    started: list[str] = []
+    gate = asyncio.Event()
+
+    async def source(req: GenerationRequest) -> AsyncIterator[EngineDelta]:
+        started.append(req.request_id)
+        yield EngineDelta("<tool_call>", 1, None, token_ids=[1])
+        await gate.wait()
+        yield EngineDelta("", 1, "stop", token_ids=[2], tool_calls=[ToolCallDelta(0, "f", "{}")])
+
+    cache = ResponseCache(MemoryStore(1 << 20, 60), "m")
+
+    async def ask(request: GenerationRequest) -> list[EngineDelta]:
+        return [d async for d in cache.stream(request, CONTEXT, source)]
+
+    for tools in ([TOOL], None):
+        started.clear()
+        gate.clear()
+        request = dataclasses.replace(BASE, tools=tools)
+        leader = asyncio.create_task(ask(request))
+        await until(lambda: started, "the leader running")
+        twin = asyncio.create_task(ask(request))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(leader, twin)
+        assert len(started) == (2 if tools else 1)
+        assert twin.result()[-1].tool_calls == [ToolCallDelta(0, "f", "{}")]
+        await until(lambda: not cache.flights, "the flight over")

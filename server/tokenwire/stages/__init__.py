@@ -24,9 +24,12 @@ def served_model(engine: Engine, config: ServerConfig) -> Callable[[], str | Non
     engine is ready: nothing is cached then.
 
     Then a digest of the flags that shape what the model writes (`--dtype`,
-    `--tool-parser`, vLLM's own arguments after `--`): instances that share a
-    Redis cache share entries only when they would generate alike."""
-    shaping = json.dumps([config.dtype, config.tool_parser, list(config.vllm_args)])
+    `--tool-parser`, `--max-model-len`, vLLM's own arguments after `--`):
+    instances that share a Redis cache share entries only when they would
+    generate alike (a shorter context truncates where a longer one stops)."""
+    shaping = json.dumps(
+        [config.dtype, config.tool_parser, config.max_model_len, list(config.vllm_args)]
+    )
     flags = hashlib.sha256(shaping.encode()).hexdigest()[:16]
 
     def model() -> str | None:

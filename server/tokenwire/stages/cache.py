@@ -16,7 +16,10 @@ steered, paused, blocked or failed one never is.
   its stream (what it got so far, then live) instead of running the engine.
   If the leader's stream ends without finishing (its client cancelled,
   steered, paused, or a guardrail blocked), the follower goes on with its own
-  generation after the token ids it already delivered.
+  generation after the token ids it already delivered. A request with tools
+  never follows: a tool parser or a forced call's grammar cannot start in
+  the middle of a call (the session restarts such a generation, as after a
+  takeover), so it runs its own.
 
 The leader reads the engine inside its own consumer's task, as any stage:
 closing it closes the engine stream. A follower only waits on the flight, so
@@ -155,10 +158,12 @@ class ResponseCache:
             return source(request)  # untouched: nothing added to its token path
         key = cache_key(model, request, context.tenant)
         flight = self.flights.get(key)
-        if flight is not None:
-            metrics.CACHE_HITS.labels("in_flight").inc()
-            return self._follow(flight, request, source)
-        return self._lead(key, request, source)
+        if flight is None:
+            return self._lead(key, request, source)
+        if request.tools is not None:
+            return source(request)
+        metrics.CACHE_HITS.labels("in_flight").inc()
+        return self._follow(flight, request, source)
 
     async def _lead(
         self, key: str, request: GenerationRequest, source: Source
