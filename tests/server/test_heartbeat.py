@@ -22,16 +22,33 @@ def config(**overrides: object) -> ServerConfig:
     return ServerConfig(engine="scripted", port=0, **overrides)  # type: ignore[arg-type]
 
 
-class FakeConnection:
-    """What the heartbeat uses of a connection: ping() and close()."""
+class FakeTransport:
+    def __init__(self) -> None:
+        self.buffered = 0
+        self.aborted = False
 
-    def __init__(self, answers: bool = True) -> None:
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class FakeConnection:
+    """What the heartbeat uses of a connection: ping(), close() and the
+    transport's buffer. `writable` False: a ping waits for the buffer."""
+
+    def __init__(self, answers: bool = True, writable: bool = True) -> None:
         self.answers = answers
+        self.writable = writable
         self.pings = 0
         self.closed: tuple[int, str] | None = None
+        self.transport = FakeTransport()
 
     async def ping(self) -> asyncio.Future[float]:
         self.pings += 1
+        if not self.writable:
+            await asyncio.Event().wait()  # drain() of a buffer nobody reads
         pong = asyncio.get_running_loop().create_future()
         if self.answers:
             asyncio.get_running_loop().call_soon(pong.set_result, 0.001)
@@ -71,6 +88,32 @@ async def test_connections_are_pinged_in_turn_and_a_missing_pong_closes() -> Non
         assert [c.pings for c in conns[1:]] == [2, 2, 2]
         beat.discard(conns[0])  # type: ignore[arg-type]
         assert len(beat) == 3
+    finally:
+        beat.stop()
+
+
+async def test_a_ping_that_cannot_be_written_closes_a_client_that_reads_nothing() -> None:
+    """Above websockets' write limit and below the slow-client high water a
+    ping waits for the buffer, and its pong clock never started: a client
+    gone with 32-64 KiB unread kept its slot until the idle timeout."""
+    beat = Heartbeat(interval_s=0.1, timeout_s=0.05, tick_s=0.1)
+    gone, slow = FakeConnection(writable=False), FakeConnection(writable=False)
+    for conn in (gone, slow):
+        conn.transport.buffered = 40_000
+        beat.add(conn)  # type: ignore[arg-type]
+    try:
+        await tick(beat)
+        assert gone.pings == slow.pings == 1
+        await asyncio.sleep(0.1)
+        slow.transport.buffered = 39_000  # it read a little: still alive
+        await tick(beat)
+        await until(lambda: gone.closed is not None, "the silent one closed")
+        assert gone.closed == (1011, "keepalive ping timeout")
+        assert slow.closed is None and slow.pings == 1  # no second ping piled up
+        beat.discard(gone)  # as the server does once it is closed
+        await asyncio.sleep(0.1)
+        await tick(beat)  # and nothing since: closed too, a timeout later
+        await until(lambda: slow.closed is not None, "the slow one closed")
     finally:
         beat.stop()
 
