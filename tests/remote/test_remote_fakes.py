@@ -630,6 +630,16 @@ async def test_a_down_replica_comes_back_through_a_health_probe(
         assert engine.load().extra["replicas"][a.url]["state"] == "up"
         assert "".join([d.text async for d in engine.generate(ask())]) == "ok"
         assert len(a.bodies) == 2  # back in service, first in line again
+        # Both down: not ready (/readyz 503) and it says why; back with a probe.
+        assert engine.ready and engine.failure is None
+        a.healthy = b.healthy = False
+        a.stream = b.stream = lambda body: Reply(503, json={"error": {"message": "down"}})
+        with pytest.raises(EngineUnavailable):
+            [d async for d in engine.generate(ask())]
+        assert not engine.ready and "every --remote-url server is down" in engine.failure
+        b.healthy = True
+        b.stream = lambda body: Reply(200, content=sse(token("ok", 3, "stop")))
+        await until(lambda: engine.ready, "b back up")
     finally:
         await engine.close()
 

@@ -107,10 +107,17 @@ class RemoteEngine:
 
     @property
     def ready(self) -> bool:
-        return self._startup.ready
+        # Started, and a server in service: with none, /readyz sends new
+        # clients to another gateway (a down one is still tried, last).
+        return self._startup.ready and any(r.up for r in self.replicas)
 
     @property
     def failure(self) -> str | None:
+        if self._startup.ready and not self.ready:
+            return (
+                "every --remote-url server is down; each is probed at GET /health "
+                "and back in service once it answers"
+            )
         return self._startup.failure
 
     # -- startup ------------------------------------------------------------
