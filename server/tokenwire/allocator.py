@@ -30,7 +30,7 @@ import ctypes.util
 import json
 import os
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 
 CHOICES = ("auto", "mimalloc", "pymalloc", "malloc")
@@ -166,6 +166,7 @@ class Mimalloc:
         self._lib = lib
         self.delay = lib.mi_option_get(OPTION_PURGE_DELAY)
         self.idle = False
+        self.swept = 0  # blocks the last purge's sweep took
 
     @classmethod
     def load(cls) -> Mimalloc | None:
@@ -185,20 +186,30 @@ class Mimalloc:
         return cls(lib)
 
     def purge(self) -> int:
+        """`purging` all at once; returns the blocks its sweep took."""
+        for _ in self.purging():
+            pass
+        return self.swept
+
+    def purging(self) -> Iterator[None]:
         """A wave is over: purge the free pages the delay still holds, then
         `mi_collect(force)`, and purge each page as it is freed until `busy`.
-        Returns the blocks the sweep took.
+        It yields between steps of at most a few ms, so that a caller on the
+        event loop can run the sessions still open between them; the blocks
+        the sweep took are in `swept`.
 
         mimalloc 2.0 purges a segment's expired pages when it takes a new page
         from that segment. So, with the delay at 0: fresh pages of 16 KiB
         blocks, taken until mimalloc maps a new segment (none is left with
         room, so each gave one), then freed, which purges them too. At most
         twice as many bytes as it ever had committed: no more room is there.
-        ~80 ms at 10k sessions' peak."""
+        ~80 ms at 10k sessions' peak, half of it in the first `mi_collect`."""
         lib, taken = self._lib, []
         self.idle = True
+        self.swept = 0
         if lib.mi_option_get(OPTION_PURGE_DELAY) > 0:
             lib.mi_collect(True)  # cached whole segments first: the next is mapped anew
+            yield
             info = [ctypes.c_size_t() for _ in range(8)]
             lib.mi_process_info(*map(ctypes.byref, info))
             most = 2 * info[6].value // SWEEP_BLOCK  # peak commit
@@ -209,11 +220,16 @@ class Mimalloc:
                     taken += [malloc(SWEEP_BLOCK) for _ in range(SWEEP_BATCH)]
                     if _mapped_pages() > start:
                         break
-            finally:
-                for block in reversed(taken):
-                    lib.mi_free(block)
+                    yield
+                self.swept = len(taken)
+                while taken:  # newest first, as they were taken
+                    for _ in range(min(len(taken), SWEEP_BATCH * 16)):
+                        lib.mi_free(taken.pop())
+                    yield
+            finally:  # closed halfway: no block is kept
+                while taken:
+                    lib.mi_free(taken.pop())
         lib.mi_collect(True)  # and the pages it retired rather than freed
-        return len(taken)
 
     def busy(self) -> None:
         """Sessions again: a freed page waits the delay before it is purged."""

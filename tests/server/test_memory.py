@@ -8,7 +8,9 @@ import asyncio
 import inspect
 import json
 import sys
+import time
 import tracemalloc
+from collections.abc import Iterator
 
 import pytest
 import uvloop
@@ -50,6 +52,58 @@ class Purge(Trim):
 
     def busy(self) -> None:
         self.idle = False
+
+    def purging(self) -> Iterator[None]:
+        self()
+        yield
+
+
+class SlicedPurge(Purge):
+    """A purge of `steps` steps of `step_s` each, that records when it ran."""
+
+    def __init__(self, steps: int, step_s: float) -> None:
+        super().__init__()
+        self.steps, self.step_s = steps, step_s
+        self.ran: list[float] = []
+        self.closed = False
+
+    def purging(self) -> Iterator[None]:
+        self.idle = True
+        try:
+            for _ in range(self.steps):
+                self.ran.append(time.perf_counter())
+                time.sleep(self.step_s)
+                yield
+        finally:
+            self.closed = True
+
+
+async def test_the_purge_runs_in_slices_between_other_callbacks() -> None:
+    """mimalloc's sweep after a wave held the loop 100-365 ms at once."""
+    purge = SlicedPurge(steps=40, step_s=0.001)
+    reclaimer = Reclaimer(Trim())
+    reclaimer._mimalloc = purge  # type: ignore[assignment]
+    ticks: list[float] = []
+
+    async def other_session() -> None:
+        for _ in range(200):
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_session())
+    await asyncio.sleep(0)
+    reclaimer.reclaim()
+    await other
+    await until(lambda: reclaimer._purge is None, "the purge done")
+    assert len(purge.ran) == 40 and purge.idle
+    # Other callbacks ran between its first and its last step.
+    assert any(purge.ran[0] < t < purge.ran[-1] for t in ticks)
+    # Cancelled halfway (the server stops): the sweep is closed, its blocks freed.
+    halfway = SlicedPurge(steps=1000, step_s=0.001)
+    reclaimer._mimalloc = halfway  # type: ignore[assignment]
+    reclaimer.reclaim()
+    reclaimer.cancel()
+    assert halfway.closed and len(halfway.ran) < 1000
 
 
 @pytest.mark.usefixtures("fast")
