@@ -268,3 +268,29 @@ async def test_a_long_prompts_tokenizing_counts_in_its_response_timings() -> Non
         assert timings["ttft_ms"] >= pause_s * 1000 and timings["total_ms"] >= pause_s * 1000
     finally:
         await rt.end()
+
+
+async def test_a_fence_during_a_drain_hand_over_uncounts_its_responses_once(
+    runtime: SessionRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand-over took its running responses out of
+    tokenwire_active_responses, and a fence that hit while it wrote the
+    snapshot (another instance took the session) took them out again: -N."""
+    from tokenwire import metrics
+    from tokenwire.runtime.cluster import hand_over
+
+    rt = runtime
+    before = metrics.ACTIVE_RESPONSES.value
+    send(
+        rt, {"type": "response.create", "response": {"ignore_eos": True, "max_output_tokens": 500}}
+    )
+    await until(lambda: "response.output_text.delta" in types_sent(rt.ws), "streaming")
+    assert metrics.ACTIVE_RESPONSES.value == before + 1
+
+    async def fenced(snapshot: object) -> None:
+        await rt.lost_ownership()
+
+    monkeypatch.setattr(type(rt.delivery.log), "durable", True)
+    monkeypatch.setattr(rt.delivery, "hand_over", fenced)
+    await hand_over(rt)
+    assert metrics.ACTIVE_RESPONSES.value == before

@@ -234,3 +234,37 @@ async def test_a_session_awaiting_resume_shares_its_keys_response_limit() -> Non
         assert server.registry.busy() == 1
         for ws in (b, c):
             ws.transport.abort()
+
+
+def test_handshakes_rejected_counts_handshakes_only_and_the_1013_race() -> None:
+    """A refused mint (a POST, not a handshake) counted as a refused handshake,
+    and a handshake that lost the race for the last slot (closed 1013) did not."""
+    from prometheus_client import REGISTRY
+    from websockets.datastructures import Headers
+    from websockets.http11 import Request
+
+    from tokenwire.config import ServerConfig
+    from tokenwire.server.admission import Admission
+
+    def rejected(reason: str) -> float:
+        sample = "tokenwire_handshakes_rejected_total"
+        return REGISTRY.get_sample_value(sample, {"reason": reason}) or 0.0
+
+    class Conn:
+        transport = None
+
+    admission = Admission(ServerConfig(api_keys="secret-key", max_connections=1))
+    bad = Request("/v1/realtime", Headers({"Authorization": "Bearer wrong"}))
+    before = rejected("unauthorized")
+    assert admission.mint(bad, b"{}").status_code == 401  # type: ignore[union-attr]
+    assert rejected("unauthorized") == before
+    assert admission.admit(Conn(), bad, 0, False).status_code == 401  # type: ignore[arg-type,union-attr]
+    assert rejected("unauthorized") == before + 1
+    good = Request("/v1/realtime", Headers({"Authorization": "Bearer secret-key"}))
+    full = rejected("too_many_connections")
+    winner, loser = Conn(), Conn()
+    assert admission.admit(winner, good, 0, False) is None  # type: ignore[arg-type]
+    assert admission.admit(loser, good, 0, False) is None  # type: ignore[arg-type]
+    assert admission.connect(winner, 0) is not None  # type: ignore[arg-type]
+    assert admission.connect(loser, 1) is None  # type: ignore[arg-type]
+    assert rejected("too_many_connections") == full + 1

@@ -112,10 +112,12 @@ async def hand_over(rt: SessionRuntime) -> None:
         return
     rt.cancel_timers()
     rt.session.suspend()
-    metrics.ACTIVE_RESPONSES.dec(len(rt.session.active_responses))  # they end elsewhere
     rt.pump()
     await rt.wait_generations()
     await rt.delivery.hand_over(rt.session.snapshot)
+    # They end elsewhere. Counted out now, not before the waits: a fence
+    # meanwhile (lost_ownership) has counted them out and let them go.
+    metrics.ACTIVE_RESPONSES.dec(len(rt.session.active_responses))
     rt.state = RuntimeState.HANDED_OVER
     await rt.delivery.close_socket(CLOSE_SERVICE_RESTART, "draining; resume the session")
     rt.detached.set()

@@ -291,8 +291,9 @@ class Limiter:
             self._in_debt.add(key_id)  # the next key's arrival looks again
 
 
-def unauthorized(message: str) -> Response:
-    metrics.REJECTED.labels("unauthorized").inc()
+def unauthorized(message: str, handshake: bool = True) -> Response:
+    if handshake:  # not a refused mint: the metric counts handshakes
+        metrics.REJECTED.labels("unauthorized").inc()
     response = error_response(HTTPStatus.UNAUTHORIZED, "unauthorized", message)
     response.headers["WWW-Authenticate"] = 'Bearer realm="tokenwire"'
     return response
@@ -428,7 +429,8 @@ class Admission:
         if kid is None:
             return unauthorized(
                 "minting a client secret needs a server API key as "
-                "'Authorization: Bearer <key>' (a client secret cannot mint another)"
+                "'Authorization: Bearer <key>' (a client secret cannot mint another)",
+                handshake=False,
             )
         return self.secrets.mint(kid, body, self.keys.min_priority(kid))
 
@@ -445,6 +447,7 @@ class Admission:
             or usage.connections >= self.config.max_connections_per_key
         ):
             self.limiter.forget_idle(grant.key_id)
+            metrics.REJECTED.labels("too_many_connections").inc()  # closed 1013
             return None
         usage.connections += 1
         metrics.CONNECTIONS.inc()
