@@ -93,6 +93,35 @@ async def test_durable_logs_are_read_by_another_instance(store: RedisStore) -> N
     assert entries == []  # nothing after the snapshot
 
 
+async def test_a_retried_write_logs_the_snapshot_as_it_was_taken(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot holds the session's live items: packed again at a retry,
+    it held text generated during the back-off, which a takeover then
+    replayed on top of it ("Hello world world")."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    sid = f"sess_conf_{next(_ids)}"
+    log = RedisLog(store, sid)
+    real, failed = store._append, asyncio.Event()
+
+    async def down_once(**kwargs: Any) -> Any:
+        if not failed.is_set():
+            failed.set()
+            raise RedisConnectionError("down")
+        return await real(**kwargs)
+
+    monkeypatch.setattr(store, "_append", down_once)
+    item = {"id": "item_1", "content": "Hello"}
+    log.append(1, event(1), "")
+    flushing = asyncio.create_task(log.flush(LogState({"items": [item]}, {}, 1)))
+    await failed.wait()
+    item["content"] += " world"  # the next delta, while the write backs off
+    await flushing
+    state, _ = await store.load(sid)
+    assert state["session"] == {"items": [{"id": "item_1", "content": "Hello"}]}
+
+
 async def test_a_snapshot_alone_marks_the_end_of_the_log(store: RedisStore) -> None:
     sid = f"sess_conf_{next(_ids)}"
     log = RedisLog(store, sid)

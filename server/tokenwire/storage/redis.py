@@ -151,6 +151,12 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def pack_snapshot(seq: int, session: dict[str, Any]) -> bytes:
+    """A snapshot as the state key holds it. Packed when it is taken: the
+    session's items are live objects that go on changing."""
+    return pack({"seq": seq, "session": session})
+
+
 def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
@@ -313,11 +319,12 @@ class RedisStore:
         sid: str,
         entries: list[tuple[int, bytes]],
         progress: dict[str, list[Any]] | None,
-        snapshot: tuple[int, dict[str, Any]] | None,
+        snapshot: tuple[int, dict[str, Any]] | bytes | None,
         client_events: int | None = None,
         refresh_ttl: bool = True,
     ) -> None:
-        """Log a batch (atomically, with the snapshot it goes with). A lone
+        """Log a batch (atomically, with the snapshot it goes with: `(seq,
+        session)`, or `pack_snapshot`'s bytes). A lone
         entry, the usual batch (one delta), is a lone XADD, committed with
         the other sessions' (measured: a transaction per delta was most of a
         logged token's CPU)."""
@@ -341,7 +348,7 @@ class RedisStore:
                 self.maxlen,
                 self.ttl_ms,
                 int(refresh_ttl),
-                b"" if snapshot is None else pack({"seq": snapshot[0], "session": snapshot[1]}),
+                pack_snapshot(*snapshot) if isinstance(snapshot, tuple) else snapshot or b"",
                 len(xadds),
             ]
             for seq, fields in xadds:

@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 
 from ..logs import get_logger
 from .eventlog import Frame, LogState
-from .redis import RedisStore, pack
+from .redis import RedisStore, pack, pack_snapshot
 
 log = get_logger("tokenwire.redis")
 
@@ -41,7 +41,8 @@ class RedisLog:
         if not entries and state.snapshot is None:
             return
         # A snapshot goes with the last event; alone, it describes the log's end.
-        snapshot = None if state.snapshot is None else (self._last_seq, state.snapshot)
+        # Packed now, not at each retry: generation goes on changing its items.
+        snapshot = None if state.snapshot is None else pack_snapshot(self._last_seq, state.snapshot)
         progress = state.progress if entries else None
         client_events = state.client_events if entries else None
         now = time.monotonic()
