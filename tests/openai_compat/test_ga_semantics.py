@@ -432,3 +432,32 @@ def test_a_refusal_echoes_no_event_id_over_128_characters(h: GAHarness, kind: st
     h.send({"type": "no.such.event", "event_id": "e" * 128})
     (error,) = h.take()
     assert error["error"]["event_id"] == "e" * 128
+
+
+# -- deleting and retrieving -------------------------------------------------------
+
+
+def test_a_deleted_output_lets_its_call_be_answered_again(h: GAHarness) -> None:
+    """The call stayed marked answered: a corrected output was refused
+    ("already has its output") while the conversation held none."""
+    call = tool_round(h)
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "wrong"}
+    h.send(create({**output, "id": "o1"}))
+    h.send({"type": "conversation.item.delete", "item_id": "o1"})
+    h.send(create({**output, "output": "right", "id": "o2"}))
+    assert "error" not in types(h.take())
+    assert ids(h) == ["u1", call["item_id"], "o2"]
+    h.send(create({**output, "id": "o3"}))  # one output a call, as before
+    assert [f["error"]["code"] for f in h.take() if f["type"] == "error"] == ["invalid_value"]
+
+
+def test_retrieve_reads_the_conversation_not_an_out_of_band_response(h: GAHarness) -> None:
+    """retrieve found an out-of-band response's output, which delete said did not exist."""
+    h.send({"type": "response.create", "response": {"conversation": "none", "input": []}})
+    h.engine(EngineDelta("aside", 1, "stop", 5, 0))
+    frames = h.take()
+    aside = next(f for f in frames if f["type"] == "response.output_item.done")["item"]["id"]
+    for kind in ("retrieve", "delete"):
+        h.send({"type": f"conversation.item.{kind}", "item_id": aside})
+        [error] = [f for f in h.take() if f["type"] == "error"]
+        assert error["error"]["code"] == f"item_{kind}_invalid_item_id"

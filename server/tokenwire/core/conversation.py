@@ -143,9 +143,12 @@ class Conversation:
             )
         return make_item(fields)
 
-    def get(self, item_id: str, event_id: str | None, action: str = RETRIEVING) -> Item:
+    def get(
+        self, item_id: str, event_id: str | None, action: str = RETRIEVING, listed: bool = False
+    ) -> Item:
+        """`listed`: an item of the conversation only, not of a private context."""
         item = self.by_id.get(item_id)
-        if item is None:
+        if item is None or (listed and item not in self.items):
             raise unknown_item(action, item_id, event_id)
         return item
 
@@ -216,9 +219,7 @@ class Conversation:
     def delete(self, item_id: str, busy: set[str], event_id: str | None) -> Item:
         """Take an item out of the conversation; `busy`: ids an active
         response still writes or waits on, which stay."""
-        item = self.get(item_id, event_id, DELETING)
-        if item not in self.items:  # a conversation:"none" response's own
-            raise unknown_item(DELETING, item_id, event_id)
+        item = self.get(item_id, event_id, DELETING, listed=True)
         if item_id in busy:
             raise ProtocolError(
                 ErrorCode.INVALID_STATE,

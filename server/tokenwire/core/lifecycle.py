@@ -109,6 +109,18 @@ def _awaited_call(
     return call_item, response_id, resp
 
 
+def forget_call(calls: dict[str, tuple[Item, str, bool]], item: Item) -> None:
+    """An item deleted from the conversation: a call's output has nowhere to
+    go now; a call whose output went may get another."""
+    known = calls.get(item["call_id"]) if "call_id" in item else None
+    if known is None:
+        return
+    if item["type"] == "function_call":
+        del calls[item["call_id"]]
+    else:
+        calls[item["call_id"]] = (known[0], known[1], False)
+
+
 class Lifecycle:
     """A session's responses, from response.create to response.done."""
 

@@ -31,7 +31,7 @@ from .conversation import (
 )
 from .errors import ErrorCode, ProtocolError
 from .events import Action, Outputs
-from .lifecycle import Lifecycle, Preflight, Quota
+from .lifecycle import Lifecycle, Preflight, Quota, forget_call
 from .limits import TokenBucket
 from .response import Response, ResponseStatus
 from .tools import ToolFlow, check_tool_choice
@@ -320,7 +320,8 @@ class Session:
         self._emit_item_created(item, previous, ev_.event_id)
 
     def _on_conversation_item_retrieve(self, ev_: s.ConversationItemRetrieve) -> None:
-        item = self.conversation.get(ev_.item_id, ev_.event_id)
+        # OpenAI's retrieve reads the conversation: not an out-of-band response's items.
+        item = self.conversation.get(ev_.item_id, ev_.event_id, listed=self._openai)
         self._emit({"type": ev.CONVERSATION_ITEM_RETRIEVED, "item": dict(item)}, ev_.event_id)
 
     def _on_conversation_item_delete(self, ev_: s.ConversationItemDelete) -> None:
@@ -335,8 +336,7 @@ class Session:
             if it["type"] == "function_call_output" and it["call_id"] in waited
         }
         item = self.conversation.delete(ev_.item_id, busy, ev_.event_id)
-        if item["type"] == "function_call":  # its output has nowhere to go now
-            self.lifecycle.calls.pop(item["call_id"], None)
+        forget_call(self.lifecycle.calls, item)
         self._emit({"type": ev.CONVERSATION_ITEM_DELETED, "item_id": item["id"]}, ev_.event_id)
 
     def _on_conversation_item_truncate(self, ev_: s.ConversationItemTruncate) -> None:
