@@ -461,3 +461,28 @@ def test_retrieve_reads_the_conversation_not_an_out_of_band_response(h: GAHarnes
         h.send({"type": f"conversation.item.{kind}", "item_id": aside})
         [error] = [f for f in h.take() if f["type"] == "error"]
         assert error["error"]["code"] == f"item_{kind}_invalid_item_id"
+
+
+def test_each_call_is_done_before_the_next_calls_arguments_end(h: GAHarness) -> None:
+    """As in GA: arguments.done then output_item.done, call by call (all the
+    arguments.done came first, then all the items' .done)."""
+    h.send({"type": "session.update", "session": {"type": "realtime", "tools": [TOOL]}})
+    h.send(create(message("Weather in two cities?", id="u1")))
+    h.take()
+    h.send({"type": "response.create"})
+    calls = [ToolCallDelta(i, "get_weather", f'{{"city": "{c}"}}') for i, c in enumerate("AB")]
+    h.engine(EngineDelta("", 1, "stop", 5, 0, tool_calls=calls))
+    order = [
+        (f["type"], f.get("item_id") or f.get("item", {}).get("id"))
+        for f in h.take()
+        if f["type"] in (ARGS_DONE, "response.output_item.done", "conversation.item.done")
+    ]
+    first, second = order[0][1], order[3][1]
+    assert order == [
+        (ARGS_DONE, first),
+        ("response.output_item.done", first),
+        ("conversation.item.done", first),
+        (ARGS_DONE, second),
+        ("response.output_item.done", second),
+        ("conversation.item.done", second),
+    ]

@@ -415,8 +415,11 @@ def test_the_main_frame_is_among_the_frames_and_replay_gives_the_same_frames() -
     for event in events:
         frames = live.frames(event)
         main = main_of.main_frame(event)
-        assert main in frames
-        assert json.loads(main)["event_id"] == f"event_{event['seq']}"
+        if event["type"] == "response.requires_action":  # its calls closed already
+            assert main == "" and frames == []
+        else:
+            assert main in frames
+            assert json.loads(main)["event_id"] == f"event_{event['seq']}"
         assert from_json.from_logged(encode_json(event)) == frames
         assert from_msgpack.from_logged(msgpack.packb(event, use_bin_type=True)) == frames
         for frame in frames:

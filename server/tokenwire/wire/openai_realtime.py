@@ -254,7 +254,8 @@ class OpenAIRealtime:
 
     def main_frame(self, event: dict[str, Any]) -> str:
         """The frame that stands for the event (its `event_id` is `event_<seq>`);
-        "" in the one case with none: requires_action for calls never seen."""
+        "" in the one case with none: requires_action (each call's item closed
+        at its arguments.done)."""
         frames, main = self._translate(event)
         return encode_json(frames[main]) if frames else ""
 
@@ -439,7 +440,11 @@ class OpenAIRealtime:
         at = {**self._at(out), "item_id": event["item_id"], "call_id": out.call_id}
         kind = "response.function_call_arguments.done"
         frames.append(_frame(kind, **at, name=out.name, arguments=out.arguments))
-        return frames, len(frames) - 1
+        main = len(frames) - 1
+        # The core sends it once the call is checked: the call is done, as in
+        # GA each call's item is before the next call's arguments end.
+        self._item_done(event["item_id"], None, "completed", frames)
+        return frames, main
 
     def _requires_action(self, event: dict[str, Any]) -> tuple[Frames, int]:
         frames: Frames = []
