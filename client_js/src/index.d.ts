@@ -19,25 +19,39 @@ export interface FunctionTool {
 
 export type ToolChoice = "auto" | "none" | "required" | { type?: "function"; name: string };
 
+/** An output cap: 1…2³¹−1 tokens, or "inf" (no cap but the context's room). */
+export type MaxOutputTokens = number | "inf";
+
+/** Fields of session.update. An omitted (or null) field stays unchanged. */
 export interface SessionConfig {
-  instructions?: string;
+  /** "" drops the system message; null leaves it as it is. */
+  instructions?: string | null;
   tools?: FunctionTool[];
   tool_choice?: ToolChoice;
   parallel_tool_calls?: boolean;
   temperature?: number;
-  max_output_tokens?: number;
+  max_output_tokens?: MaxOutputTokens;
   tool_timeout_s?: number;
   /** Scheduling priority; a lower value runs first. */
   priority?: number;
 }
 
-export interface SessionObject extends Required<Omit<SessionConfig, "max_output_tokens">> {
+export interface SessionObject extends Required<Omit<SessionConfig, "instructions" | "max_output_tokens">> {
   id: string;
   object: "realtime.session";
   engine: string;
   subprotocol: string;
   max_message_bytes: number;
-  max_output_tokens: number | null;
+  /** The server's cap, used when max_output_tokens is null. */
+  default_max_output_tokens: number;
+  /** null until set. */
+  instructions: string | null;
+  /** null: default_max_output_tokens applies. */
+  max_output_tokens: MaxOutputTokens | null;
+  /** Present (true) when the server runs --response-cache. */
+  response_cache?: boolean;
+  /** The guardrail filters on this session's output; absent when the server has none. */
+  guardrails?: string[];
   [key: string]: unknown;
 }
 
@@ -71,16 +85,24 @@ export interface Item {
 }
 
 export interface ResponseParams {
-  instructions?: string;
+  /** null (or omitted): the session's. */
+  instructions?: string | null;
   tools?: FunctionTool[];
   tool_choice?: ToolChoice;
   parallel_tool_calls?: boolean;
   temperature?: number;
-  max_output_tokens?: number;
+  /** For the whole response, across steers and tool rounds. */
+  max_output_tokens?: MaxOutputTokens;
   conversation?: "auto" | "none";
-  /** Items for this response; a string is one user message. */
-  input?: ItemInput[] | string;
-  metadata?: Record<string, string>;
+  /**
+   * Message items for this response (appended to the conversation with
+   * "auto", its whole context with "none"); a string is one user message.
+   * The server refuses a function_call_output here: send it with
+   * createItem / submitToolOutput.
+   */
+  input?: MessageItemInput[] | string;
+  /** At most 16 pairs of strings (keys up to 64, values up to 512 characters). */
+  metadata?: Record<string, string> | null;
   /** Scheduling priority of this response; a lower value runs first. */
   priority?: number;
   /** The sampler's seed: the same seed samples the same answer. */
@@ -102,15 +124,37 @@ export type ResponseStatus =
   | "incomplete"
   | "failed";
 
+/** Why a response ended incomplete or cancelled (status_details.reason). */
+export type ResponseEndReason =
+  | "max_output_tokens"
+  | "content_filter"
+  | "tool_timeout"
+  | "engine_aborted"
+  | "client_cancelled"
+  | "client_disconnected";
+
 export interface ResponseObject {
   id: string;
   object: "realtime.response";
   status: ResponseStatus;
-  status_details: { type: string; reason?: string; error?: { code: string; message: string } } | null;
+  /** null, or {type: status, reason} (incomplete, cancelled), or {type: "failed", error}. */
+  status_details: {
+    type: "incomplete" | "cancelled" | "failed";
+    reason?: ResponseEndReason;
+    /** A server error code (docs/protocol.md §9), e.g. invalid_tool_arguments. */
+    error?: { code: string; message: string };
+  } | null;
   conversation: "auto" | "none";
   metadata: Record<string, string> | null;
   output: Item[];
-  usage?: { input_tokens: number; output_tokens: number; cached_tokens: number; total_tokens: number };
+  usage?: {
+    input_tokens: number;
+    output_tokens: number;
+    cached_tokens: number;
+    total_tokens: number;
+    /** true when the response cache served it. */
+    cached_response?: boolean;
+  };
   timings?: {
     ttft_ms: number | null;
     queue_wait_ms: number;
@@ -158,15 +202,29 @@ export interface FunctionCallDoneEvent extends ServerEvent {
 // ---------------------------------------------------------------------------
 // Client
 
+/**
+ * Codes of failures found by the client itself (`error.type` "client_error").
+ * invalid_value: a value neither wire format carries faithfully (NaN, a Date,
+ * bytes, ...), refused before anything is sent; `param` names it.
+ * response_ended: a tool handler returned after its response ended (toolerror).
+ */
+export type ClientErrorCode =
+  | "connect_failed"
+  | "connect_timeout"
+  | "connection_closed"
+  | "reconnect_failed"
+  | "resume_failed"
+  | "unauthorized"
+  | "handshake_refused"
+  | "message_too_big"
+  | "invalid_value"
+  | "response_ended";
+
 /** An `error` from the server, or a client-side failure, with a stable `code`. */
 export class TokenwireError extends Error {
   constructor(error: Partial<ErrorObject> & Record<string, unknown>);
   readonly error: ErrorObject & Record<string, unknown>;
-  /**
-   * A server error code (docs/protocol.md §8), or a client one:
-   * connect_failed, connect_timeout, connection_closed, reconnect_failed,
-   * resume_failed, unauthorized, handshake_refused, message_too_big.
-   */
+  /** A server error code (docs/protocol.md §9 Errors), or a ClientErrorCode. */
   readonly code: string;
   readonly param?: string;
 }
@@ -198,6 +256,20 @@ export interface BackpressureOptions {
   pollIntervalMs?: number;
 }
 
+/**
+ * Dead-socket detection, where the WebSocket can ping (Node's `ws`; browsers
+ * cannot, and skip it): a ping every intervalMs; a socket through which
+ * nothing (pong, ping, frame) has come for timeoutMs after a ping is dropped
+ * (not closed cleanly, so the server keeps the session) and resumed, as after
+ * a 1006.
+ */
+export interface KeepaliveOptions {
+  /** Default 15000. */
+  intervalMs?: number;
+  /** Default 10000. */
+  timeoutMs?: number;
+}
+
 export interface ConnectOptions {
   /** Sent as `Authorization: Bearer` in Node (ws), as the subprotocol `tokenwire.auth.<key>` in browsers. */
   apiKey?: string;
@@ -208,7 +280,12 @@ export interface ConnectOptions {
   /** Reconnect and resume on an unexpected close; `false` turns it off. Default on. */
   reconnect?: boolean | ReconnectOptions;
   backpressure?: BackpressureOptions;
-  /** Time to wait for session.created, and for each reconnect attempt's answer. Default 10000. */
+  /** Pings from Node to notice a dead socket; `false` turns it off. Default on. */
+  keepalive?: boolean | KeepaliveOptions;
+  /**
+   * Time to wait for session.created; and how long a reconnect attempt may
+   * stay silent (nothing received) before it is dropped. Default 10000.
+   */
   connectTimeoutMs?: number;
   /** A WebSocket constructor to use instead of the global one or `ws`. */
   WebSocket?: any;
@@ -284,11 +361,15 @@ export class Session {
    * open, reconnecting {attempt, delayMs, code, reason}, reconnected {attempt} (the
    * socket is back; the server event "session.resumed" confirms the resume),
    * resumefailed {previousSessionId, sessionId, error}, close {code, reason, error},
-   * toolerror {call, error}, decodeerror. Returns an unsubscribe function.
+   * toolerror {call, error} (error.code response_ended when the response had
+   * ended), decodeerror. Returns an unsubscribe function.
    */
   on(type: string, listener: (payload: any) => void): () => void;
 
-  /** Send an event without waiting for a reply. */
+  /**
+   * Send an event without waiting for a reply. Every call that sends rejects
+   * with `invalid_value` (nothing sent) for a value the wire cannot carry.
+   */
   send(event: Record<string, unknown>): Promise<void>;
   /** Send an event; resolve with the reply that echoes its event_id, reject with TokenwireError. */
   request(event: Record<string, unknown>): Promise<ServerEvent>;
@@ -326,3 +407,4 @@ export function wellFormed<T>(value: T): T;
 
 export const DEFAULT_RECONNECT: Readonly<Required<Omit<ReconnectOptions, "random">>>;
 export const DEFAULT_BACKPRESSURE: Readonly<Required<BackpressureOptions>>;
+export const DEFAULT_KEEPALIVE: Readonly<Required<KeepaliveOptions>>;

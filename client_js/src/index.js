@@ -34,6 +34,13 @@ export const DEFAULT_BACKPRESSURE = Object.freeze({
   highWaterMark: 64 * 1024,
   pollIntervalMs: 5,
 });
+// Node (`ws`) pings the server every intervalMs; a socket that has let nothing
+// through (no pong, no frame) for timeoutMs after a ping is dead: reconnect.
+// Well inside the server's own keepalive (20 s) plus resume grace (30 s).
+export const DEFAULT_KEEPALIVE = Object.freeze({
+  intervalMs: 15_000,
+  timeoutMs: 10_000,
+});
 
 const OPEN = 1;
 const TERMINAL = "response.done";
@@ -46,6 +53,10 @@ const CONNECT_TIMEOUT_MS = 10_000;
 // is refused. Node's `ws` names the status in its error; browsers hide it (the
 // attempts then run out as for any failure).
 const REFUSED_HANDSHAKE = /Unexpected server response: (400|401|403|404)\b/;
+// How the client lets go of a socket that failed it (no answer to the resume,
+// no pong) where it cannot just drop it (browsers): any code but 1000/1001
+// keeps the session on the server for a resume (docs/protocol.md, Resume).
+const CLOSE_ABANDONED = 4001;
 const IS_NODE = typeof process !== "undefined" && !!process.versions?.node && typeof window === "undefined";
 
 /** An `error` event from the server (or a client-side failure), with a stable `code`. */
@@ -62,8 +73,8 @@ export class TokenwireError extends Error {
   }
 }
 
-function clientError(code, message) {
-  return new TokenwireError({ type: "client_error", code, message });
+function clientError(code, message, param) {
+  return new TokenwireError({ type: "client_error", code, message, ...(param === undefined ? {} : { param }) });
 }
 
 /**
@@ -358,6 +369,8 @@ export class Session {
     this.reconnectOptions =
       options.reconnect === false ? null : { ...DEFAULT_RECONNECT, ...(options.reconnect === true ? {} : options.reconnect) };
     this.backpressure = { ...DEFAULT_BACKPRESSURE, ...options.backpressure };
+    this.keepalive =
+      options.keepalive === false ? null : { ...DEFAULT_KEEPALIVE, ...(options.keepalive === true ? {} : options.keepalive) };
     /** Tool name -> async (args, call) => result. Results that are not strings are JSON-encoded. */
     // No prototype: a tool named "toString" or "constructor" has no handler unless given one.
     this.tools = Object.assign(Object.create(null), options.tools);
@@ -535,6 +548,7 @@ export class Session {
   close(code = 1000, reason = "") {
     this._closing = true;
     clearTimeout(this._reconnectTimer);
+    clearTimeout(this._attemptTimer);
     if (this.ws && this.ws.readyState <= OPEN) this.ws.close(code, reason);
     else this._finalClose(clientError("connection_closed", "the session was closed"));
     return this._closed ?? Promise.resolve();
@@ -552,6 +566,10 @@ export class Session {
     if (this.state === "closed") {
       return Promise.reject(clientError("connection_closed", "the session is closed"));
     }
+    // Refused here, not sent: the server would refuse it with no event_id to
+    // fail the call with (it would hang), or the encoder would change it.
+    const bad = unsendable(event);
+    if (bad) return Promise.reject(clientError("invalid_value", `${bad.path}: ${bad.why}`, bad.path));
     const d = deferred();
     this._sendQueue.push({ event, d });
     this._pump();
@@ -628,7 +646,12 @@ export class Session {
     this._attach(ws);
     const timeoutMs = this.options.connectTimeoutMs ?? CONNECT_TIMEOUT_MS;
     const timer = setTimeout(() => {
-      settle(this._ready, false, clientError("connect_timeout", `no session.created within ${timeoutMs} ms`));
+      // connect() rejects: nothing may go on behind it (a late session.created,
+      // a reconnect after the close). A clean close ends the unused session.
+      const err = clientError("connect_timeout", `no session.created within ${timeoutMs} ms`);
+      this._closing = true;
+      settle(this._ready, false, err);
+      this._finalClose(err);
       try {
         ws.close();
       } catch {}
@@ -644,16 +667,31 @@ export class Session {
   _attach(ws) {
     this.ws = ws;
     ws.onopen = () => {
+      if (ws !== this.ws) {
+        // A socket let go of (its attempt gave up) or superseded: it must not
+        // resume the session behind the current socket. Its fresh session is
+        // of no use: a clean close ends it.
+        try {
+          ws.close(1000);
+        } catch {}
+        return;
+      }
       this.subprotocol = ws.protocol || SUBPROTOCOL_JSON;
-      if (this._resume) {
+      this._keepAlive(ws);
+      const resume = this._resume;
+      if (resume) {
         // session.resume must be the first event on the new connection. The
         // queue waits for session.resumed: what the server never took goes first.
-        ws.send(this._encode(this._resume.event));
-        this._emit("reconnected", { attempt: this._resume.attempt });
+        ws.send(this._encode(resume.event));
+        this._giveUpAfter(ws, resume); // it answered: the wait starts over
+        this._emit("reconnected", { attempt: resume.attempt });
       }
     };
     ws.onmessage = (msg) => {
-      if (ws !== this.ws) return;
+      // A socket let go of, or a connect() that timed out: not ours any more.
+      if (ws !== this.ws || this.state === "closed") return;
+      // A replay may take longer than connectTimeoutMs; only silence is a hang.
+      if (this._resume && this.state === "reconnecting") this._giveUpAfter(ws, this._resume);
       let event;
       try {
         event = typeof msg.data === "string" ? JSON.parse(msg.data) : msgpack.decode(new Uint8Array(msg.data));
@@ -674,6 +712,9 @@ export class Session {
   }
 
   _onClose(ev) {
+    // This attempt is over: its give-up timer must not start a second,
+    // parallel reconnect later.
+    clearTimeout(this._attemptTimer);
     const info = { code: ev.code, reason: ev.reason };
     const socketError = this._socketError;
     this._socketError = "";
@@ -699,6 +740,9 @@ export class Session {
   }
 
   _scheduleReconnect(info) {
+    // One reconnect at a time: a pending one is replaced, never doubled.
+    clearTimeout(this._attemptTimer);
+    clearTimeout(this._reconnectTimer);
     const r = this.reconnectOptions;
     if (this._attempt >= r.maxAttempts) {
       this._finalClose(clientError("reconnect_failed", `gave up after ${this._attempt} reconnect attempts`), info);
@@ -724,6 +768,10 @@ export class Session {
       this._resume = resume;
       try {
         const ws = await this._open();
+        if (this._closing || this._resume !== resume) {
+          ws.close(1000); // closed, or given up, meanwhile
+          return;
+        }
         this._attach(ws);
         this._giveUpAfter(ws, resume);
       } catch (err) {
@@ -734,20 +782,68 @@ export class Session {
 
   /**
    * A reconnect attempt that hangs (an address that never answers, a server
-   * that never answers the resume) is dropped after connectTimeoutMs, as the
-   * first connect is, and the next attempt is scheduled.
+   * that never answers the resume) is dropped once nothing has come for
+   * connectTimeoutMs, as the first connect is, and the next attempt is
+   * scheduled. Called again whenever the attempt's socket answers.
    */
   _giveUpAfter(ws, resume) {
     const timeoutMs = this.options.connectTimeoutMs ?? CONNECT_TIMEOUT_MS;
     clearTimeout(this._attemptTimer);
     this._attemptTimer = setTimeout(() => {
       if (this._resume !== resume || this.ws !== ws || this.state !== "reconnecting") return;
-      this.ws = null; // its late close is not ours any more
-      try {
-        ws.close();
-      } catch {}
+      this._abandon(ws);
       this._scheduleReconnect({ code: 1006, reason: `no answer to session.resume within ${timeoutMs} ms` });
     }, timeoutMs);
+  }
+
+  /**
+   * Let go of a socket that failed us without ending the session: the server
+   * may already have handed it the session (the resume), and a clean close
+   * would end that. Node drops it (no close handshake with a dead peer).
+   */
+  _abandon(ws) {
+    if (this.ws === ws) this.ws = null; // its late close is not ours any more
+    try {
+      if (typeof ws.terminate === "function") ws.terminate();
+      else ws.close(CLOSE_ABANDONED, "resume later");
+    } catch {}
+  }
+
+  /**
+   * Dead-socket detection where the WebSocket can ping (Node's `ws`; a
+   * browser's cannot, and only answers the server's pings): a ping every
+   * intervalMs, and a socket that lets nothing through (pong, ping, frame)
+   * for timeoutMs after one is dropped and reconnected, as on a 1006.
+   */
+  _keepAlive(ws) {
+    const k = this.keepalive;
+    if (!k || !(k.intervalMs > 0) || typeof ws.ping !== "function" || typeof ws.on !== "function") return;
+    let waiting; // the timer of the ping nothing has answered yet
+    const heard = () => {
+      clearTimeout(waiting);
+      waiting = undefined;
+    };
+    const stop = () => {
+      clearInterval(interval);
+      heard();
+    };
+    const interval = setInterval(() => {
+      if (ws !== this.ws || ws.readyState !== OPEN || this.state === "closed") return stop();
+      if (waiting) return; // the last ping still waits (timeoutMs > intervalMs)
+      waiting = setTimeout(() => {
+        stop();
+        if (ws !== this.ws || this.state === "closed") return;
+        this._abandon(ws);
+        this._onClose({ code: 1006, reason: `no pong within ${k.timeoutMs} ms` });
+      }, k.timeoutMs);
+      waiting.unref?.();
+      try {
+        ws.ping();
+      } catch {}
+    }, k.intervalMs);
+    interval.unref?.(); // the socket itself keeps the process alive
+    for (const type of ["pong", "ping", "message"]) ws.on(type, heard);
+    ws.on("close", stop);
   }
 
   _finalClose(err, info = {}) {
@@ -953,6 +1049,78 @@ export function wellFormed(value) {
     return out ?? value;
   }
   return value;
+}
+
+const MAX_DEPTH = 1000;
+
+/**
+ * Why `event` cannot be sent as it is: `{path, why}`, or null. What neither
+ * wire format carries faithfully: NaN and infinities (JSON writes null; in
+ * msgpack the server refuses the frame with no event_id, so the call would
+ * hang), a Date (a string in JSON, a timestamp the server refuses in msgpack),
+ * bytes, a Map or Set ({}), any other non-plain object, a BigInt, a function
+ * or a symbol (dropped, or the encoder fails), a `__proto__` key (the
+ * server's echo of it cannot be decoded), and undefined where it is data: in
+ * an array (it becomes null) or as a `metadata` value (its key would vanish).
+ * Elsewhere a property set to undefined is left out, as JSON.stringify does.
+ */
+function unsendable(event) {
+  const ancestors = new Set();
+  // inMetadata: `value` is a value of a metadata map (data, not a field).
+  const walk = (value, path, inMetadata) => {
+    switch (typeof value) {
+      case "string":
+      case "boolean":
+        return null;
+      case "number":
+        return Number.isFinite(value) ? null : { path, why: `${value} is not JSON; send a finite number or null` };
+      case "undefined":
+        if (inMetadata) return { path, why: "undefined would drop this metadata key; give it a string" };
+        return { path, why: "undefined in an array would arrive as null; send null" };
+      case "bigint":
+        return { path, why: "a BigInt cannot be sent; send a number" };
+      case "function":
+      case "symbol":
+        return { path, why: `a ${typeof value} cannot be sent` };
+    }
+    if (value === null) return null;
+    if (ancestors.has(value)) return { path, why: "the value contains itself" };
+    if (ancestors.size >= MAX_DEPTH) return { path, why: `nested more than ${MAX_DEPTH} levels deep` };
+    const proto = Object.getPrototypeOf(value);
+    const isArray = Array.isArray(value);
+    if (!isArray && proto !== null && Object.getPrototypeOf(proto) !== null) {
+      const kind = value.constructor?.name || "non-plain object";
+      const hint =
+        value instanceof Date
+          ? "send a string, e.g. date.toISOString()"
+          : ArrayBuffer.isView(value) || value instanceof ArrayBuffer
+            ? "send text, e.g. base64"
+            : "send a plain object, array or primitive";
+      return { path, why: `a ${kind} cannot be sent as it is; ${hint}` };
+    }
+    ancestors.add(value);
+    try {
+      if (isArray) {
+        for (let i = 0; i < value.length; i++) {
+          const bad = walk(value[i], path ? `${path}.${i}` : String(i), false);
+          if (bad) return bad;
+        }
+        return null;
+      }
+      const metadata = path === "response.metadata";
+      for (const key of Object.keys(value)) {
+        const at = path ? `${path}.${key}` : key;
+        if (key === "__proto__") return { path: at, why: "the key __proto__ cannot be sent; rename it" };
+        if (value[key] === undefined && !metadata) continue; // left out
+        const bad = walk(value[key], at, metadata);
+        if (bad) return bad;
+      }
+      return null;
+    } finally {
+      ancestors.delete(value);
+    }
+  };
+  return walk(event, "", false);
 }
 
 function utf8Length(text) {

@@ -64,3 +64,41 @@ test("an unexpected server close triggers reconnect attempts", { timeout: 60_000
   assert.equal(await tw.ask("back again"), "You said: back again");
   await tw.close();
 });
+
+// Node's client pings: a socket through which nothing comes any more (here the
+// client's own end stops reading, as when a NAT or a peer silently goes) is
+// noticed within the keepalive timeout, dropped without a clean close, and
+// the session is resumed on a new one. Without pings the client would wait
+// for ever.
+test("a socket that stops answering pings is dropped, and the session resumed", { timeout: 60_000 }, async () => {
+  const own = await startServer({ tokensPerS: 100 });
+  const tw = await connect(own.wsUrl, {
+    protocol: "json",
+    keepalive: { intervalMs: 100, timeoutMs: 300 },
+    reconnect: { initialDelayMs: 20, maxDelayMs: 100, random: () => 0.5 },
+  });
+  try {
+    const sessionId = tw.id;
+    const TOKENS = 200;
+    const r = tw.createResponse({ ignore_eos: true, max_output_tokens: TOKENS });
+    let seen = 0;
+    for await (const ev of r) {
+      if (ev.type === "response.output_text.delta" && ++seen === 5) break;
+    }
+    const reconnecting = new Promise((resolve) => tw.on("reconnecting", resolve));
+    const resumed = new Promise((resolve) => tw.on("session.resumed", resolve));
+    tw.ws._socket.pause(); // nothing gets through any more: no frame, no pong
+    const noticed = await Promise.race([reconnecting, new Promise((res) => setTimeout(res, 5000, null))]);
+    assert.ok(noticed, "the dead socket was not noticed within 5 s");
+    assert.equal(noticed.code, 1006);
+    assert.match(noticed.reason, /no pong within 300 ms/);
+    await resumed;
+    assert.equal(tw.id, sessionId); // the drop kept the session on the server
+    const done = await r.done();
+    assert.equal(done.status, "completed");
+    assert.equal(r.textSoFar, Array.from({ length: TOKENS }, (_, i) => ` t${i}`).join(""));
+  } finally {
+    await tw.close();
+    await own.stop();
+  }
+});

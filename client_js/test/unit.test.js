@@ -3,6 +3,7 @@
 
 import assert from "node:assert/strict";
 import { once } from "node:events";
+import { readFileSync } from "node:fs";
 import { createServer } from "node:http";
 import { describe, test } from "node:test";
 import { WebSocketServer } from "ws";
@@ -10,7 +11,9 @@ import {
   backoffDelay,
   codePointLength,
   connect,
+  DEFAULT_KEEPALIVE,
   DEFAULT_RECONNECT,
+  Session,
   subprotocols,
   TokenwireError,
 } from "../src/index.js";
@@ -19,9 +22,8 @@ import { fakeWebSocket, tick, until } from "../test-support/fake-ws.js";
 const SESSION = { id: "sess_a", object: "realtime.session", engine: "scripted", max_message_bytes: 1 << 20 };
 
 /** connect() over a fake socket; returns the session and the first socket. */
-async function fakeSession(options = {}) {
-  const fake = fakeWebSocket();
-  const pending = connect("ws://fake/v1/realtime", { protocol: "json", WebSocket: fake.FakeWebSocket, ...options });
+async function fakeSession(options = {}, fake = fakeWebSocket()) {
+  const pending = connect("ws://fake/v1/realtime", { protocol: "json", WebSocket: options.WebSocket ?? fake.FakeWebSocket, ...options });
   const sock = await fake.socket(0);
   sock.accept();
   sock.push({ type: "session.created", session: SESSION, seq: 1 });
@@ -512,5 +514,273 @@ describe("a handshake the server refuses on reconnect (Node, ws)", () => {
     } finally {
       srv.stop();
     }
+  });
+});
+
+describe("reconnect timers, close codes, connect timeout (from a second audit)", () => {
+  /** Records the codes `sock.close()` is called with. */
+  function recordCloses(sock) {
+    const codes = [];
+    const close = sock.close.bind(sock);
+    sock.close = (code, reason) => {
+      codes.push(code);
+      close(code, reason);
+    };
+    return codes;
+  }
+
+  test("a failed attempt's give-up timer does not start a second, parallel reconnect", async () => {
+    const randoms = [0]; // attempt 1 at once, then the full backoff
+    const { session, sock, fake } = await fakeSession({
+      connectTimeoutMs: 20,
+      reconnect: { initialDelayMs: 40, maxDelayMs: 1000, maxAttempts: 5, random: () => randoms.shift() ?? 0.999999 },
+    });
+    const attempts = [];
+    session.on("reconnecting", (e) => attempts.push(e.attempt));
+    sock.drop(1006);
+    const sock1 = await fake.socket(1);
+    sock1.drop(1006); // the attempt fails at once; attempt 2 waits 79 ms, past its 20 ms give-up timer
+    const sock2 = await fake.socket(2);
+    sock2.accept();
+    sock2.push({ type: "session.created", session: { ...SESSION, id: "sess_fresh" }, seq: 1 });
+    sock2.push({ type: "session.resumed", session: SESSION, last_seq: 1, replayed: 0, client_events: 0, seq: 2 });
+    assert.equal(session.state, "open");
+    await tick(250); // a second chain would have opened another socket by now
+    assert.deepEqual(attempts, [1, 2]);
+    assert.equal(fake.sockets.length, 3);
+    assert.equal(session.ws, sock2);
+    assert.equal(session.state, "open");
+    await session.close();
+  });
+
+  test("a socket let go of that opens late sends nothing (no orphan session.resume)", async () => {
+    const { session, sock, fake } = await fakeSession({
+      connectTimeoutMs: 20,
+      reconnect: { initialDelayMs: 1000, maxDelayMs: 1000, maxAttempts: 5, random: () => 0 },
+    });
+    sock.drop(1006);
+    const sock1 = await fake.socket(1); // never answers: given up after 20 ms
+    const closes = recordCloses(sock1);
+    const sock2 = await fake.socket(2);
+    sock1.accept(); // ...and opens after all
+    assert.deepEqual(sock1.sent, []);
+    assert.equal(closes.at(-1), 1000); // its own fresh session is ended
+    sock2.accept();
+    assert.equal(sock2.sent[0].type, "session.resume");
+    await session.close();
+  });
+
+  test("a given-up attempt is closed with 4001, not cleanly: the server keeps the session", async () => {
+    const { session, sock, fake } = await fakeSession({
+      connectTimeoutMs: 20,
+      reconnect: { initialDelayMs: 1000, maxDelayMs: 1000, maxAttempts: 5, random: () => 0 },
+    });
+    sock.drop(1006);
+    const sock1 = await fake.socket(1);
+    const closes = recordCloses(sock1);
+    sock1.accept(); // the resume is sent; no answer comes
+    assert.equal(sock1.sent[0].type, "session.resume");
+    await fake.socket(2);
+    // 1000, 1001 or no code would end the session (docs/protocol.md, Resume).
+    assert.deepEqual(closes, [4001]);
+    await session.close();
+  });
+
+  test("a long replay is not given up while events keep coming", async () => {
+    const { session, sock, fake } = await fakeSession({
+      connectTimeoutMs: 40,
+      reconnect: { initialDelayMs: 1, maxDelayMs: 1, maxAttempts: 5, random: () => 0 },
+    });
+    sock.drop(1006);
+    const sock1 = await fake.socket(1);
+    sock1.accept();
+    sock1.push({ type: "session.created", session: { ...SESSION, id: "sess_fresh" }, seq: 1 });
+    // 150 ms of replay, an event every 10 ms: never silent for 40 ms.
+    for (let seq = 2; seq < 17; seq++) {
+      await tick(10);
+      sock1.push({ type: "conversation.item.deleted", item_id: `item_${seq}`, seq });
+    }
+    sock1.push({ type: "session.resumed", session: SESSION, last_seq: 1, replayed: 15, client_events: 0, seq: 17 });
+    assert.equal(fake.sockets.length, 2);
+    assert.equal(session.state, "open");
+    assert.equal(session.lastSeq, 17);
+    await session.close();
+  });
+
+  test("a connect timeout ends the session: a late session.created opens nothing, nothing reconnects", async () => {
+    const fake = fakeWebSocket();
+    const session = new Session("ws://fake/v1/realtime", {
+      protocol: "json",
+      WebSocket: fake.FakeWebSocket,
+      connectTimeoutMs: 20,
+      reconnect: { random: () => 0 },
+    });
+    const opened = [];
+    session.on("open", (e) => opened.push(e));
+    const pending = session._start();
+    const sock = await fake.socket(0);
+    sock.close = function () {
+      this.readyState = 2; // as `ws`: the close waits for the server's close frame
+    };
+    sock.accept();
+    await assert.rejects(pending, { code: "connect_timeout" });
+    assert.equal(session.state, "closed");
+    // The server's session.created comes late, then the answer to the close.
+    sock.push({ type: "session.created", session: SESSION, seq: 1 });
+    sock.drop(1000);
+    await tick(30);
+    assert.deepEqual(opened, []);
+    assert.equal(session.state, "closed");
+    assert.equal(session.id, null);
+    assert.equal(fake.sockets.length, 1);
+  });
+});
+
+describe("values the wire cannot carry (from a second audit)", () => {
+  const BAD = [
+    ["NaN", () => NaN],
+    ["Infinity", () => -Infinity],
+    ["a Date", () => new Date(0)],
+    ["a Uint8Array", () => new Uint8Array([1])],
+    ["a Map", () => new Map([["a", "b"]])],
+    ["a function", () => () => "x"],
+    ["undefined", () => undefined],
+  ];
+  for (const protocol of ["json", "msgpack"]) {
+    for (const [name, make] of BAD) {
+      test(`[${protocol}] metadata holding ${name} is refused with invalid_value, and nothing is sent`, async () => {
+        const { session, sock } = await fakeSession({ protocol });
+        const r = session.createResponse({ metadata: { topic: "x", k: make() } });
+        await tick(10);
+        assert.equal(sock.sent.length, 0);
+        await assert.rejects(r.created, (err) => err instanceof TokenwireError && err.code === "invalid_value" && err.param === "response.metadata.k");
+        await assert.rejects(r.done(), { code: "invalid_value" });
+        await session.close();
+      });
+    }
+
+    test(`[${protocol}] a __proto__ key, NaN anywhere, undefined in an array: refused; an undefined field is left out`, async () => {
+      const { session, sock } = await fakeSession({ protocol });
+      const r = session.createResponse({ metadata: JSON.parse('{"__proto__": "x"}') });
+      await assert.rejects(r.done(), { code: "invalid_value", param: "response.metadata.__proto__" });
+      await assert.rejects(session.update({ temperature: NaN }), { code: "invalid_value", param: "session.temperature" });
+      await assert.rejects(session.request({ type: "response.create", response: { input: [undefined] } }), {
+        code: "invalid_value",
+        param: "response.input.0",
+      });
+      const cyclic = { type: "object" };
+      cyclic.self = cyclic;
+      await assert.rejects(session.update({ tools: [{ name: "t", parameters: cyclic }] }), { code: "invalid_value" });
+      await tick(10);
+      assert.equal(sock.sent.length, 0);
+      // An optional field set to undefined is "not given", as in JSON.stringify.
+      session.createResponse({ instructions: undefined, metadata: { topic: "x" } });
+      await until(() => sock.sent.length === 1);
+      assert.deepEqual(sock.sent[0].response, { metadata: { topic: "x" } });
+      await session.close();
+    });
+  }
+});
+
+describe("keepalive (Node: ws can ping)", () => {
+  /** A fake with `ws`'s ping API: ping(), on(type, fn), terminate(). */
+  function pingingFake() {
+    const fake = fakeWebSocket();
+    class PingingWebSocket extends fake.FakeWebSocket {
+      constructor(...args) {
+        super(...args);
+        this.pings = 0;
+        this.answers = true; // pong every ping
+        this.terminated = false;
+        this.listeners = {};
+      }
+      on(type, fn) {
+        (this.listeners[type] ??= []).push(fn);
+        return this;
+      }
+      emit(type) {
+        for (const fn of this.listeners[type] ?? []) fn();
+      }
+      ping() {
+        this.pings++;
+        if (this.answers) queueMicrotask(() => this.emit("pong"));
+      }
+      terminate() {
+        this.terminated = true;
+        this.readyState = 3;
+        queueMicrotask(() => {
+          this.onclose?.({ code: 1006, reason: "" });
+          this.emit("close");
+        });
+      }
+    }
+    fake.FakeWebSocket = PingingWebSocket;
+    return fake;
+  }
+
+  test("defaults", () => {
+    assert.deepEqual(DEFAULT_KEEPALIVE, { intervalMs: 15_000, timeoutMs: 10_000 });
+  });
+
+  test("a socket that stops answering pings is dropped, and the session resumed", async () => {
+    const fake = pingingFake();
+    const { session, sock } = await fakeSession({ keepalive: { intervalMs: 10, timeoutMs: 30 }, reconnect: { random: () => 0 } }, fake);
+    const reconnecting = [];
+    session.on("reconnecting", (e) => reconnecting.push(e));
+    await tick(100);
+    assert.ok(sock.pings >= 3, `${sock.pings} pings`);
+    assert.deepEqual(reconnecting, []); // answered: alive
+    sock.answers = false; // the peer is gone: no pong, no frame
+    await until(() => reconnecting.length === 1, 1000, "the dead socket noticed");
+    assert.equal(reconnecting[0].code, 1006);
+    assert.match(reconnecting[0].reason, /no pong within 30 ms/);
+    assert.equal(sock.terminated, true); // dropped, not closed cleanly: the session lives on
+    const sock1 = await fake.socket(1);
+    sock1.accept();
+    assert.equal(sock1.sent[0].type, "session.resume");
+    sock1.push({ type: "session.created", session: { ...SESSION, id: "sess_fresh" }, seq: 1 });
+    sock1.push({ type: "session.resumed", session: SESSION, last_seq: 1, replayed: 0, client_events: 0, seq: 2 });
+    assert.equal(session.state, "open");
+    await session.close();
+  });
+
+  test("frames count as an answer; keepalive: false sends no ping", async () => {
+    const fake = pingingFake();
+    const { session, sock } = await fakeSession({ keepalive: { intervalMs: 10, timeoutMs: 30 } }, fake);
+    sock.answers = false;
+    const timer = setInterval(() => sock.emit("message"), 5); // a stream of events, pongs stuck behind it
+    await tick(120);
+    clearInterval(timer);
+    assert.equal(session.state, "open");
+    await session.close();
+
+    const quiet = pingingFake();
+    const off = await fakeSession({ keepalive: false }, quiet);
+    await tick(50);
+    assert.equal(off.sock.pings, 0);
+    await off.session.close();
+  });
+});
+
+describe("index.d.ts", () => {
+  const dts = readFileSync(new URL("../src/index.d.ts", import.meta.url), "utf8");
+
+  test("declares every export of index.js", async () => {
+    const missing = Object.keys(await import("../src/index.js")).filter(
+      (name) => !new RegExp(`export (const|function|class) ${name}\\b`).test(dts),
+    );
+    assert.deepEqual(missing, []);
+  });
+
+  // No TypeScript among the dev dependencies: what the types must say, as
+  // text. Each line is a rule of docs/protocol.md.
+  test("agrees with docs/protocol.md", () => {
+    assert.match(dts, /type MaxOutputTokens = number \| "inf";/); // max_output_tokens: int | "inf"
+    assert.equal(dts.match(/max_output_tokens\??: MaxOutputTokens/g)?.length, 3); // session.update, the session object, response.create
+    assert.match(dts, /\binstructions: string \| null;/); // the session object's instructions: string | null
+    assert.match(dts, /\binput\?: MessageItemInput\[\] \| string;/); // response.create input: message items only
+    assert.doesNotMatch(dts, /§(?!9\D)\d/); // errors are §9
+    for (const code of ["invalid_value", "response_ended", "message_too_big"]) assert.match(dts, new RegExp(`\\| "${code}"`));
+    assert.match(dts, /keepalive\?: boolean \| KeepaliveOptions;/);
   });
 });
