@@ -11,7 +11,7 @@ from tokenwire.core.outbox import Outbox
 from tokenwire.core.session import Session, SessionLimits
 from tokenwire.engines.base import ContextLengthExceeded, EngineDelta, ToolCallDelta
 
-from ..helpers.session import codes, drive, start
+from ..helpers.session import codes, drive, start, types
 from ..helpers.tools import WEATHER as WEATHER_TOOL
 
 
@@ -158,6 +158,36 @@ def test_cancel_errors(session: Session) -> None:
     assert codes(drive(session, {"type": "response.cancel", "response_id": rid})) == [
         "response_not_active"
     ]
+
+
+def test_a_cancel_without_id_meant_for_the_ended_auto_response_spares_the_other(
+    session: Session, clock: Clock
+) -> None:
+    """An auto response and an out-of-band one run; the auto one ends just as
+    the client cancels it without an id: that cancel fell to the other."""
+    rid, action = start(session)
+    clock.t += 1
+    side = drive(session, {"type": "response.create", "response": {"conversation": "none"}})
+    side_id = side[0]["response"]["id"]
+    session.actions_to_perform()
+    clock.t += 1
+    session.receive_engine_output(action.request.request_id, EngineDelta("x", 1, "stop", 1, 0))
+    session.events_to_send()
+    events = drive(session, {"type": "response.cancel"})
+    assert (
+        codes(events) == ["response_not_active"] and "response_id" in events[0]["error"]["message"]
+    )
+    assert [r.id for r in session.active_responses] == [side_id]
+    # Named, it is cancelled; and one started after the auto one ended needs no name.
+    assert types(drive(session, {"type": "response.cancel", "response_id": side_id}))[-1] == (
+        "response.done"
+    )
+    clock.t += 1
+    later = drive(session, {"type": "response.create", "response": {"conversation": "none"}})
+    session.actions_to_perform()
+    done = drive(session, {"type": "response.cancel"})
+    assert done[-1]["response"]["id"] == later[0]["response"]["id"]
+    assert rid not in [r.id for r in session.active_responses]
 
 
 def test_one_active_response_per_conversation(session: Session) -> None:

@@ -7,6 +7,7 @@ Sans-I/O like the session that owns it: events go out through the session's
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
@@ -151,6 +152,7 @@ class Lifecycle:
         self.responses: dict[str, Response] = {}
         # Finished responses, kept briefly so a late cancel gets a precise error.
         self.finished: OrderedDict[str, str] = OrderedDict()
+        self.auto_done_at = -math.inf  # when a conversation response last ended
         self._requests: dict[str, str] = {}  # engine request id -> response id
         # Every function call: call_id -> (item, owning response id, answered?)
         self.calls: dict[str, tuple[Item, str, bool]] = {}
@@ -211,12 +213,9 @@ class Lifecycle:
         """True at a second call with `parallel_tool_calls` false, which is
         not taken: the generation ends (the engine can force one call only
         for tool_choice "required")."""
+        single = not resp.params["parallel_tool_calls"]
         for chunk in chunks:
-            if (
-                not resp.params["parallel_tool_calls"]
-                and resp.calls
-                and chunk.index not in resp.calls
-            ):
+            if single and resp.calls and chunk.index not in resp.calls:
                 return True
             item = resp.append_call_chunk(
                 self.conversation, chunk.index, chunk.name, chunk.arguments
@@ -477,6 +476,8 @@ class Lifecycle:
         resp.status = status
         resp.status_details = details
         resp.done_at = self.clock()
+        if resp.in_conversation:
+            self.auto_done_at = resp.done_at
         if self.quota is not None:
             self.quota.release_response()
         self._out.emit({"type": ev.RESPONSE_DONE, "response": resp.describe()})

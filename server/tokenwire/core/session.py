@@ -97,6 +97,14 @@ def find_active(
                 event_id=event_id,
             )
         if len(conv) == 1 or len(active) == 1:
+            if not conv and active[0].created_at < lifecycle.auto_done_at:
+                # The conversation's response ended meanwhile: it may be the one meant.
+                raise ProtocolError(
+                    ErrorCode.RESPONSE_NOT_ACTIVE,
+                    f"the conversation's response has ended; name the "
+                    f'conversation:"none" one with response_id to {verb} it',
+                    event_id=event_id,
+                )
             return conv[0] if conv else active[0]
         if not active:
             raise ProtocolError(
