@@ -388,3 +388,28 @@ def test_a_restore_that_fails_holds_none_of_the_keys_response_slots() -> None:
     assert usage.responses == 0
     _restore((state, []), {"quota": usage})  # whole, it holds both
     assert usage.responses == 2
+
+
+def test_a_taken_over_generation_never_reuses_the_old_owners_request_id() -> None:
+    """A pause and resume after the last snapshot numbers the next request on
+    the old owner; the new owner counted from the snapshot and sent the same
+    id, which a fenced old owner could still abort (a shared remote replica)."""
+    s = Session()
+    rid, action = start(s, "tell me", max_output_tokens=50)
+    s.receive_engine_output(
+        action.request.request_id, EngineDelta("Hi", 1, None, 5, 0, token_ids=[1])
+    )
+    snapshot = over_the_wire(s)
+    s.events_to_send()
+    used = {action.request.request_id}
+    for _ in range(2):  # backpressure: paused and resumed, no structural event
+        assert s.pause() == [rid]
+        s.actions_to_perform()
+        assert s.resume() == [rid]
+        (again,) = [a for a in s.actions_to_perform() if isinstance(a, StartGeneration)]
+        used.add(again.request.request_id)
+    r = Session.restore(snapshot)
+    assert r.resume() == [rid]
+    (cont,) = r.actions_to_perform()
+    assert isinstance(cont, StartGeneration) and cont.request.request_id not in used
+    assert cont.request.request_id.startswith(f"{rid}-2")

@@ -296,7 +296,7 @@ class Lifecycle:
                 continue
             request = replace(
                 resp.gen_request,
-                request_id=f"{resp.id}-{resp.generation + 1}",
+                request_id=resp.next_request_id(),
                 max_output_tokens=resp.remaining_tokens(),
                 resume_token_ids=tuple(resp.gen_token_ids),
                 resumed_text=resumed_text(resp),
@@ -320,7 +320,7 @@ class Lifecycle:
             params["tools"], resp.tool_choice, params["parallel_tool_calls"]
         )
         return GenerationRequest(
-            request_id=f"{resp.id}-{resp.generation + 1}",
+            request_id=resp.next_request_id(),
             messages=render_messages(params["instructions"], [*resp.context, *(extra or [])]),
             max_output_tokens=resp.remaining_tokens(),
             temperature=params["temperature"],

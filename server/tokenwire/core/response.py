@@ -62,6 +62,13 @@ class Response:
     cached_response: bool = False  # a response cache served a generation of it
     first_token_at: float | None = None
     done_at: float | None = None
+    # Set by a takeover: the old owner may have used the next numbers after
+    # its last snapshot (a pause and resume), and may still abort them.
+    request_tag: str = ""
+
+    def next_request_id(self) -> str:
+        """The engine request id of its next generation."""
+        return f"{self.id}-{self.generation + 1}{self.request_tag}"
 
     def usage(self) -> tuple[Any, ...]:
         """What a takeover needs for usage and timings besides output tokens."""

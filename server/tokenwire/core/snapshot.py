@@ -8,6 +8,7 @@ ids by the log's progress records (`progress`).
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -156,6 +157,7 @@ def _restore_response(
         queue_wait_s=rs.get("queue_wait_s", 0.0),
         cached_response=rs.get("cached_response", False),
         first_token_at=_monotonic(rs["first_token_wall"], now, wall),
+        request_tag=f".{secrets.token_hex(3)}",
     )
 
 
