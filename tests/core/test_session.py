@@ -286,6 +286,25 @@ def test_steer_continues_same_response(session: Session) -> None:
     assert all(e.get("delta") != " stale" for e in events)
 
 
+def test_the_steer_item_says_which_item_it_follows(session: Session) -> None:
+    """As conversation.item.created does: it was the partial item even when
+    the client had added an item after it, and null before any text."""
+    start(session, "Tell me a story")
+    steer = {"type": "response.steer", "input": "Make it short"}
+    events = drive(session, steer)
+    question = session.items[0]["id"]
+    assert events[-1]["previous_item_id"] == question  # no text yet: after the question
+    rq = session.actions_to_perform()[-1].request.request_id  # type: ignore[attr-defined]
+    session.receive_engine_output(rq, EngineDelta("Once", 1, None, 5, 0))
+    session.events_to_send()
+    note = {"type": "message", "role": "user", "content": "aside"}
+    added = drive(session, {"type": "conversation.item.create", "item": note})
+    events = drive(session, steer)
+    assert events[-1]["previous_item_id"] == added[0]["item"]["id"]
+    ids = [item["id"] for item in session.items]
+    assert ids.index(events[-1]["item"]["id"]) == ids.index(added[0]["item"]["id"]) + 1
+
+
 def test_steer_without_active_response(session: Session) -> None:
     assert codes(drive(session, {"type": "response.steer", "input": "x"})) == [
         "response_not_active"

@@ -450,14 +450,14 @@ class Session:
         request = lifecycle.checked_request(resp, [steer_item], ev_.event_id)
         conv.add_bytes(ev_.input)
         lifecycle.abort_current(resp)
-        previous = lifecycle.close_text_item(resp, "incomplete")
+        lifecycle.close_text_item(resp, "incomplete")
         resp.drop_partial_calls(conv)
-        conv.append_to(resp.context, steer_item)
+        previous = conv.append_to(resp.context, steer_item)  # where it is, as for any item
         self._emit(
             {
                 "type": ev.RESPONSE_STEERED,
                 "response_id": resp.id,
-                "previous_item_id": previous["id"] if previous else None,
+                "previous_item_id": previous,
                 "item": dict(steer_item),
             },
             ev_.event_id,
