@@ -649,3 +649,21 @@ def test_an_event_with_thousands_of_problems_is_refused_without_listing_them(
     )
     few = {"type": "session.update", "session": {"a": 1, "b": 2}}
     assert codes(drive(s, few)) == ["unknown_field"]  # a few are still named
+
+
+def test_input_ids_are_checked_before_an_output_in_input(session: Session) -> None:
+    """protocol.md §4: duplicate ids (step 4), then outputs in input (step 5);
+    an output whose id already existed got step 5's error."""
+    drive(
+        session,
+        {"type": "conversation.item.create", "item": {"id": "u1", "type": "message",
+                                                      "role": "user", "content": "x"}},
+    )  # fmt: skip
+    output = {"type": "function_call_output", "call_id": "c", "output": "o"}
+    events = drive(
+        session, {"type": "response.create", "response": {"input": [{**output, "id": "u1"}]}}
+    )
+    assert codes(events) == ["duplicate_item_id"]
+    assert events[0]["error"]["param"] == "response.input.0.id"
+    events = drive(session, {"type": "response.create", "response": {"input": [output]}})
+    assert codes(events) == ["invalid_field"] and events[0]["error"]["param"] == "response.input"

@@ -98,10 +98,10 @@ class Conversation:
         they are only the prompt's, answer no call, and one for a call of the
         session follows a copy of that call (the model sees what it answers);
         without it, tokenwire v1's rule refuses them."""
+        # Every item's id first, as protocol.md orders the checks.
         inputs = [
             self.new_item(raw, event_id, f"response.input.{i}.id")
             for i, raw in enumerate(raw_inputs)
-            if calls is not None or isinstance(raw, MessageItem)
         ]
         if len({i["id"] for i in inputs}) < len(inputs):
             raise ProtocolError(
@@ -110,7 +110,7 @@ class Conversation:
                 event_id=event_id,
                 param="response.input",
             )
-        if len(inputs) < len(raw_inputs):
+        if calls is None and any(i["type"] == "function_call_output" for i in inputs):
             raise ProtocolError(
                 ErrorCode.INVALID_FIELD,
                 "send function_call_output items with conversation.item.create",
