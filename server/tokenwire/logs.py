@@ -21,6 +21,13 @@ def redact_url(url: str) -> str:
     becomes scheme://***@host."""
     parts = urlsplit(url)
     if "@" not in parts.netloc:
+        # A password with an unencoded "/" ends the netloc early ("user:pa/ss@host");
+        # "host:8000/path@x" is a port and a path.
+        scheme, sep, rest = url.partition("://")
+        userinfo, at, host = rest.split("?")[0].split("#")[0].rpartition("@")
+        _, colon, after = userinfo.split("/")[0].partition(":")
+        if sep and at and colon and not after.isdigit():
+            return f"{scheme}://***@{host}"
         return url
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 

@@ -630,13 +630,19 @@ async def test_a_down_replica_comes_back_through_a_health_probe(
         assert engine.load().extra["replicas"][a.url]["state"] == "up"
         assert "".join([d.text async for d in engine.generate(ask())]) == "ok"
         assert len(a.bodies) == 2  # back in service, first in line again
-        # Both down: not ready (/readyz 503) and it says why; back with a probe.
+        # Both fail a request: still ready while their /health answers (one
+        # session's failure through a router must not take the gateway out).
         assert engine.ready and engine.failure is None
-        a.healthy = b.healthy = False
         a.stream = b.stream = lambda body: Reply(503, json={"error": {"message": "down"}})
         with pytest.raises(EngineUnavailable):
             [d async for d in engine.generate(ask())]
-        assert not engine.ready and "every --remote-url server is down" in engine.failure
+        assert engine.ready
+        # Their /health fails too: not ready (/readyz 503), and it says why.
+        a.healthy = b.healthy = False
+        with pytest.raises(EngineUnavailable):
+            [d async for d in engine.generate(ask())]
+        await until(lambda: not engine.ready, "both known down")
+        assert "every --remote-url server is down" in engine.failure
         b.healthy = True
         b.stream = lambda body: Reply(200, content=sse(token("ok", 3, "stop")))
         await until(lambda: engine.ready, "b back up")
@@ -883,3 +889,71 @@ async def test_credentials_in_a_url_reach_the_server_but_no_log_metric_or_error(
     said.append(generate_latest(REGISTRY).decode())
     assert not [s for s in said if "s3cret" in s]
     assert shown in said[0]
+
+
+async def test_a_slow_consumer_is_no_silence_of_the_server() -> None:
+    """The time a consumer held a chunk (a guardrail's async check, a busy
+    loop) counted as the server's silence: a healthy replica "sent no data"."""
+
+    async def steady() -> AsyncIterator[bytes]:
+        for i in range(4):
+            yield f"data: {json.dumps(token(f' t{i}', i, 'stop' if i == 3 else None))}\n\n".encode()
+            await asyncio.sleep(0.05)
+        yield b"data: [DONE]\n\n"
+
+    a = Fake(lambda b: Reply(200, content=steady()))
+    b = Fake(lambda b: Reply(200, content=sse(token("other", 9, "stop"))))
+    engine = await started(a, b, remote_timeout_s=0.5)
+    try:
+        texts = []
+        async for delta in engine.generate(ask()):
+            texts.append(delta.text)
+            await asyncio.sleep(0.8)  # the consumer, not the server, is slow
+        assert "".join(texts) == " t0 t1 t2 t3"
+        assert engine.replicas[0].failures == 0 and not b.bodies
+    finally:
+        await engine.close()
+
+
+async def test_the_generate_endpoint_names_the_model_so_another_one_is_refused() -> None:
+    """/inference/v1/generate chunks name no model: a server that came back
+    with another one streamed its answer. Named, vLLM answers 404."""
+
+    def strict(body: dict) -> Reply:
+        if body.get("model") != MODEL:
+            return Reply(404, json={"error": {"message": f"model {body.get('model')!r}"}})
+        return Reply(200, content=sse(token("Hi", 8, "stop")))
+
+    a = Fake(strict)
+    engine = await started(a)
+    assert "".join(d.text for d in await run(engine, ask())) == "Hi"
+    assert a.bodies[-1]["model"] == MODEL
+
+
+async def test_the_breaker_backs_off_a_replica_whose_health_lies() -> None:
+    """/health says 200 while its requests fail: each failure probed it back
+    after the same 5 s, and a client paid for it every time."""
+    a = Fake(lambda b: Reply(500, json={"error": {"message": "broken"}}))
+    engine = await started(a)
+    try:
+        [replica] = engine.replicas
+        for expected in (1, 2, 3):
+            replica.failed(engine._client)  # type: ignore[arg-type]
+            assert replica.streak == expected
+        replica.served(probe=True)  # /health answered: up, the streak stays
+        assert replica.up and replica.streak == 3 and engine.ready
+        replica.served()  # a request went through
+        assert replica.streak == 0
+    finally:
+        await engine.close()
+
+
+def test_credentials_stay_out_of_errors_even_in_urls_that_do_not_parse() -> None:
+    from tokenwire.logs import redact_url
+
+    assert redact_url("http://user:s3/cret@proxy:8000") == "http://***@proxy:8000"
+    assert redact_url("http://user:s3cret@proxy:8000/v1") == "http://***@proxy:8000/v1"
+    assert redact_url("http://proxy:8000/a@b") == "http://proxy:8000/a@b"  # no credentials
+    replica = Replica("http://user:s3cret@127.0.0.1:99999")
+    said = replica.error_text(ValueError("http://user:s3cret@127.0.0.1:99999/v1/models"))
+    assert "s3cret" not in said and "***@127.0.0.1:99999" in said

@@ -107,16 +107,18 @@ class RemoteEngine:
 
     @property
     def ready(self) -> bool:
-        # Started, and a server in service: with none, /readyz sends new
-        # clients to another gateway (a down one is still tried, last).
-        return self._startup.ready and any(r.up for r in self.replicas)
+        # Started, and a server not known to be down: with none, /readyz
+        # sends new clients to another gateway. Known: its /health failed
+        # too; a failed request alone (one session's, through a router that
+        # fails over itself) makes no gateway unready.
+        return self._startup.ready and any(not r.health_failed for r in self.replicas)
 
     @property
     def failure(self) -> str | None:
         if self._startup.ready and not self.ready:
             return (
-                "every --remote-url server is down; each is probed at GET /health "
-                "and back in service once it answers"
+                "every --remote-url server is down (its GET /health fails); each is "
+                "probed again and back in service once it answers"
             )
         return self._startup.failure
 
@@ -320,7 +322,8 @@ class RemoteEngine:
         priority, salt = request.priority, request.cache_salt
         rid = request.request_id if attempt == 0 else f"{request.request_id}-retry{attempt}"
         if replica.generate_endpoint:
-            path, body = GENERATE_PATH, generate_body(rid, ids, params, priority, salt)
+            body = generate_body(rid, replica.model, ids, params, priority, salt)
+            path = GENERATE_PATH
         else:
             path = COMPLETIONS_PATH
             body = completions_body(replica.model, ids, params, priority, salt)
@@ -349,7 +352,7 @@ class RemoteEngine:
                         raise error_for(resp.status, text, replica.url)
                     streaming = True
                     silent_s = self.config.remote_timeout_s
-                    said_at = time.monotonic()  # the last chunk with something in it
+                    said_at = time.monotonic()  # the last chunk with something in it, taken
                     after_end = 0
                     longest = MAX_LINE + PROMPT_ID_BYTES * len(ids)  # the prompt's echo
                     async for data in sse_data(resp.content, replica.url, silent_s, longest):
@@ -373,7 +376,6 @@ class RemoteEngine:
                                     f"{replica.url} sent only empty chunks for {silent_s:g} s"
                                 )
                             continue
-                        said_at = time.monotonic()
                         if sent_at:
                             TTFT.labels(replica.url).observe(time.monotonic() - sent_at)
                             sent_at = 0.0
@@ -391,12 +393,15 @@ class RemoteEngine:
                             final = chunk  # held until the usage chunk that follows it
                         else:
                             yield chunk
+                        # From now: the consumer's time with the chunk is no
+                        # silence of the server's.
+                        said_at = time.monotonic()
         # Before TimeoutError: aiohttp's read timeout (a stalled stream) is one too.
         except (aiohttp.ClientError, LineTooLong, ReplicaFailed) as exc:
             if final is None:
                 if isinstance(exc, ReplicaFailed):
                     raise
-                raise ReplicaFailed(f"{replica.url}: {type(exc).__name__}: {exc}") from None
+                raise ReplicaFailed(f"{replica.url}: {replica.error_text(exc)}") from None
             # Broken after the finishing token: only the usage is lost. Never
             # resubmit a finished generation (it would go on past its end).
         except TimeoutError:

@@ -69,9 +69,7 @@ async def call(
         async with client.request(method, replica.base + path, **kw) as resp:
             return Answer(resp.status, await resp.read())
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise EngineUnavailable(
-            f"cannot reach {replica.url} ({type(exc).__name__}: {exc})"
-        ) from None
+        raise EngineUnavailable(f"cannot reach {replica.url} ({replica.error_text(exc)})") from None
 
 
 async def read_model(client: aiohttp.ClientSession, replica: Replica) -> None:

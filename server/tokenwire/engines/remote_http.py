@@ -119,6 +119,7 @@ def sampling(
 
 def generate_body(
     request_id: str,
+    model: str,
     ids: list[int],
     params: dict[str, Any],
     priority: int,
@@ -126,6 +127,9 @@ def generate_body(
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "request_id": request_id,
+        # Its chunks name no model: with this, a server that serves another
+        # answers 404 (and the request goes elsewhere) instead of its output.
+        "model": model,
         "token_ids": ids,
         "sampling_params": params,
         "output_mode": "text",
@@ -237,11 +241,12 @@ async def sse_data(
             if silent_s and time.monotonic() - last > silent_s:
                 raise ReplicaFailed(f"{url} sent no data for {silent_s:g} s, only keep-alives")
             continue
-        last = time.monotonic()
         data = line[5:].strip()
         if data == b"[DONE]":
             return
         yield data
+        # After the consumer is done with it: its time is no silence of the server's.
+        last = time.monotonic()
 
 
 def message_of(body: str) -> str:

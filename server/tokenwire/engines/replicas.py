@@ -40,8 +40,9 @@ TTFT = Histogram(
 )
 UP = Gauge("tokenwire_remote_up", "1: in service; 0: skipped after a failure", ["replica"])
 
-# A down replica is probed this long after its failure, then twice as long
-# each time the probe fails, up to PROBE_MAX_S.
+# A down replica is probed this long after its failure (twice as long for
+# each failure in a row before it), then twice as long each time the probe
+# fails, up to PROBE_MAX_S.
 DOWN_FOR_S = 5.0
 PROBE_MAX_S = 60.0
 PROBE_TIMEOUT_S = 5.0
@@ -61,6 +62,10 @@ class Replica:
     failures: int = 0
     requests: int = 0
     base: str = ""  # what requests go to: the URL as given, user:password@ included
+    # Attempts failed in a row, probes between them or not: a server whose
+    # /health says 200 while its requests fail is tried less and less often.
+    streak: int = 0
+    health_failed: bool = False  # its /health probe failed since it went down
 
     def __post_init__(self) -> None:
         self.base, self.url = self.url, redact_url(self.url)
@@ -68,6 +73,11 @@ class Replica:
     @property
     def up(self) -> bool:
         return self.state == "up"
+
+    def error_text(self, exc: BaseException) -> str:
+        """An exception as errors and logs show it: aiohttp's name the URL
+        requested, credentials included."""
+        return f"{type(exc).__name__}: {str(exc).replace(self.base, self.url)}"
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -84,6 +94,7 @@ class Replica:
     def failed(self, client: aiohttp.ClientSession) -> None:
         """An attempt failed: down, with a probe to bring it back."""
         self.failures += 1
+        self.streak += 1
         FAILURES.labels(self.url).inc()
         if self.state == "up":
             log.warning("remote_replica_down", url=self.url)
@@ -91,11 +102,14 @@ class Replica:
         if self.probe is None or self.probe.done():
             self.probe = asyncio.get_running_loop().create_task(self._probe(client))
 
-    def served(self) -> None:
+    def served(self, probe: bool = False) -> None:
+        """A request succeeded on it (or, `probe`, its /health answered)."""
+        if not probe:
+            self.streak = 0
         if self.state == "up":
             return
         log.info("remote_replica_up", url=self.url)
-        self.state = "up"
+        self.state, self.health_failed = "up", False
         if self.probe is not None and self.probe is not asyncio.current_task():
             self.probe.cancel()
         self.probe = None
@@ -108,7 +122,7 @@ class Replica:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-        wait = DOWN_FOR_S
+        wait = min(DOWN_FOR_S * 2 ** max(self.streak - 1, 0), PROBE_MAX_S)
         while not self.up:
             await asyncio.sleep(wait)
             self.state = "probing"
@@ -118,9 +132,9 @@ class Replica:
             except Exception:  # any failure to answer is a failed probe
                 healthy = False
             if healthy:
-                self.served()
+                self.served(probe=True)
                 return
-            self.state = "down"
+            self.state, self.health_failed = "down", True
             wait = min(wait * 2, PROBE_MAX_S)
 
 
