@@ -935,6 +935,7 @@ async def test_the_breaker_backs_off_a_replica_whose_health_lies() -> None:
     after the same 5 s, and a client paid for it every time."""
     a = Fake(lambda b: Reply(500, json={"error": {"message": "broken"}}))
     engine = await started(a)
+    client = engine._client
     try:
         [replica] = engine.replicas
         for expected in (1, 2, 3):
@@ -946,6 +947,10 @@ async def test_the_breaker_backs_off_a_replica_whose_health_lies() -> None:
         assert replica.streak == 0
     finally:
         await engine.close()
+    # A request that fails as the engine shuts down starts no probe that
+    # would loop on the closed client.
+    replica.failed(client)  # type: ignore[arg-type]
+    assert replica.probe is None or replica.probe.done()
 
 
 def test_credentials_stay_out_of_errors_even_in_urls_that_do_not_parse() -> None:

@@ -99,7 +99,8 @@ class Replica:
         if self.state == "up":
             log.warning("remote_replica_down", url=self.url)
         self.state = "down"
-        if self.probe is None or self.probe.done():
+        # Not once the engine closed its client (a request that failed as it shut down).
+        if not client.closed and (self.probe is None or self.probe.done()):
             self.probe = asyncio.get_running_loop().create_task(self._probe(client))
 
     def served(self, probe: bool = False) -> None:
