@@ -962,3 +962,13 @@ def test_credentials_stay_out_of_errors_even_in_urls_that_do_not_parse() -> None
     replica = Replica("http://user:s3cret@127.0.0.1:99999")
     said = replica.error_text(ValueError("http://user:s3cret@127.0.0.1:99999/v1/models"))
     assert "s3cret" not in said and "***@127.0.0.1:99999" in said
+
+
+async def test_an_error_chunk_after_the_finishing_token_keeps_the_answer() -> None:
+    """Only the usage is lost after the last token: a 400-coded error chunk
+    there raised the request's error and threw the whole answer away."""
+    late = {"error": {"message": "bad usage", "code": 400}}
+    a = Fake(lambda b: Reply(200, content=sse(token("Hi", 8, "stop"), late)))
+    engine = await started(a)
+    deltas = await run(engine, ask())
+    assert "".join(d.text for d in deltas) == "Hi" and deltas[-1].finish_reason == "stop"

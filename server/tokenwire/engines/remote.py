@@ -397,9 +397,9 @@ class RemoteEngine:
                         # silence of the server's.
                         said_at = time.monotonic()
         # Before TimeoutError: aiohttp's read timeout (a stalled stream) is one too.
-        except (aiohttp.ClientError, LineTooLong, ReplicaFailed) as exc:
+        except (aiohttp.ClientError, LineTooLong, EngineError) as exc:
             if final is None:
-                if isinstance(exc, ReplicaFailed):
+                if isinstance(exc, EngineError):  # a replica's fault, or the request's
                     raise
                 raise ReplicaFailed(f"{replica.url}: {replica.error_text(exc)}") from None
             # Broken after the finishing token: only the usage is lost. Never
