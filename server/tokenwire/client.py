@@ -77,7 +77,8 @@ class Reconnect:
 
     def delay(self, attempt: int) -> float:
         """Full jitter, so clients dropped together do not come back together."""
-        return random.random() * min(self.max_delay_s, self.initial_delay_s * 2**attempt)
+        # 2**attempt as a float overflows past 1023; the cap is reached long before.
+        return random.random() * min(self.max_delay_s, self.initial_delay_s * 2 ** min(attempt, 60))
 
 
 def _client_error(code: str, message: str) -> TokenwireError:

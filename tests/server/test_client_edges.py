@@ -15,7 +15,7 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosedOK
 
-from tokenwire.client import TokenwireError, connect
+from tokenwire.client import Reconnect, TokenwireError, connect
 
 from ..conftest import RunningServer
 
@@ -186,7 +186,6 @@ async def test_a_failed_response_raises_from_text() -> None:
 async def test_a_bad_frame_while_resuming_is_a_failed_attempt() -> None:
     """A resume that meets a frame it cannot read counts as a failed attempt;
     when they run out, calls fail with reconnect_failed, not a raw error."""
-    from tokenwire.client import Reconnect
 
     connections = 0
 
@@ -254,7 +253,6 @@ async def test_a_large_resend_goes_out_while_the_replay_is_read() -> None:
     the client goes on reading: a server busy writing reads nothing until its
     client reads (tokenwire's upstream backpressure, with few frames queued),
     so a resend written before reading again stalled both sides."""
-    from tokenwire.client import Reconnect
 
     frames, size = 96, 256 << 10  # 24 MiB, in more frames than the server queues
     got_resends = asyncio.Event()
@@ -293,3 +291,9 @@ async def test_a_large_resend_goes_out_while_the_replay_is_read() -> None:
             await tw.send({"type": "conversation.item.create", "item": item})
         await asyncio.wait_for(got_resends.wait(), 60)
         await tw.close()
+
+
+def test_a_reconnect_policy_that_retries_for_ever_keeps_its_delay_capped() -> None:
+    policy = Reconnect(max_attempts=100_000, initial_delay_s=0.25, max_delay_s=2.0)
+    delays = [policy.delay(attempt) for attempt in (0, 5, 1023, 1024, 99_999)]
+    assert all(0.0 <= d <= 2.0 for d in delays)
